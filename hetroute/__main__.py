@@ -1,0 +1,5 @@
+"""``python -m hetroute`` runs the CLI."""
+
+from hetroute.cli import main
+
+raise SystemExit(main())

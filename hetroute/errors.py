@@ -1,0 +1,32 @@
+"""The exception hierarchy. Each carries what a caller needs to answer the client."""
+
+from __future__ import annotations
+
+
+class HetrouteError(Exception):
+    """Base of hetroute's own errors."""
+
+
+class ConfigError(HetrouteError):
+    """Invalid configuration; ``path`` names the field (``backends[2].url``)."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message
+
+
+class UnknownModel(HetrouteError):
+    """No configured backend serves this model through this API (404)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist.")
+        self.model = model
+
+
+class NoBackendAvailable(HetrouteError):
+    """Backends serve the model but none is available now (503)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"no healthy backend for model `{model}`")
+        self.model = model

@@ -1,0 +1,60 @@
+"""Routing policies: an explicit table keyed by the config's ``policy.type`` string.
+
+Every policy is a pure decision over an immutable snapshot (``hetroute.types.Policy``),
+in its own module, built by ``from_config(params, ctx)``. ``default`` is an alias for
+:data:`DEFAULT_POLICY`, the policy hetroute uses when none is configured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from hetroute.errors import ConfigError
+from hetroute.policies.base import PolicyContext, PolicyFactory
+from hetroute.policies.least_outstanding import LeastOutstanding
+from hetroute.policies.random_choice import RandomChoice
+from hetroute.policies.round_robin import RoundRobin
+from hetroute.policies.weighted_round_robin import WeightedRoundRobin
+from hetroute.types import Policy
+
+POLICIES: dict[str, PolicyFactory] = {
+    "round_robin": RoundRobin.from_config,
+    "random": RandomChoice.from_config,
+    "weighted_round_robin": WeightedRoundRobin.from_config,
+    "least_outstanding": LeastOutstanding.from_config,
+}
+
+DEFAULT_POLICY = "least_outstanding"
+"""The policy behind the ``default`` alias."""
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICIES",
+    "PolicyContext",
+    "build_policy",
+    "policy_names",
+    "resolve_policy_name",
+]
+
+
+def policy_names() -> tuple[str, ...]:
+    """Every valid ``policy.type``, including the ``default`` alias."""
+    return ("default", *sorted(POLICIES))
+
+
+def resolve_policy_name(name: str) -> str:
+    """Map ``default`` to the real policy name; other names pass through."""
+    return DEFAULT_POLICY if name == "default" else name
+
+
+def build_policy(name: str, params: Mapping[str, object], ctx: PolicyContext) -> Policy:
+    """Build the policy ``name`` (or the ``default`` alias) with its validated params.
+
+    Raises ConfigError naming ``policy.type`` for an unknown name (listing the valid ones)
+    and ``policy.params.<field>`` for a bad parameter.
+    """
+    real = resolve_policy_name(name)
+    factory = POLICIES.get(real)
+    if factory is None:
+        raise ConfigError("policy.type", f"unknown policy {name!r}; valid: {', '.join(policy_names())}")
+    return factory(params, ctx)

@@ -1,0 +1,35 @@
+"""``round_robin``: cycle through the candidates in a stable order.
+
+Algorithm: keep one counter; choose ``candidates[counter mod len(candidates)]`` and
+increment. Candidates arrive in config order, so with a stable candidate set every
+backend gets every n-th request. Reads nothing from the snapshot. Params: none.
+This counter is the only state a classic policy keeps (house style §8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from hetroute.policies.base import PolicyContext, check_known
+from hetroute.types import ClusterSnapshot, IntArray, RequestFeatures, RoutingDecision
+
+
+class RoundRobin:
+    """Deterministic round robin over the candidate set."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._counter = 0
+
+    @classmethod
+    def from_config(cls, params: Mapping[str, object], ctx: PolicyContext) -> RoundRobin:
+        check_known(params, (), cls.name)
+        return cls()
+
+    def choose(
+        self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray
+    ) -> RoutingDecision:
+        index = int(candidates[self._counter % len(candidates)])
+        self._counter += 1
+        return RoutingDecision(index=index, reason="round robin")

@@ -1,0 +1,1 @@
+"""Routing: the ledger (per-request accounting) and the router (per-request orchestration)."""

@@ -1,0 +1,158 @@
+"""The ledger: the single owner of per-request mutable accounting (house style §3).
+
+Per backend it keeps, in numpy arrays indexed like the router's backends:
+
+- ``requests_in_flight``: dispatched and not yet released requests;
+- ``input_tokens_in_flight``: Σ I_r;
+- ``remaining_predicted_tokens``: Σ max(Õ_r − generated_r, 0) (closing the loop, method.md §5);
+- ``generated_tokens_in_flight``: Σ tokens generated so far;
+- ``workload``: L_s, Σ of the policy costs w_r^s of in-flight requests (method.md §5).
+
+Invariant: every :meth:`Ledger.dispatch` is undone by exactly one effective
+:meth:`Ledger.release`, whatever the outcome; a second release is a no-op that returns
+False. When nothing is in flight every counter is exactly zero (``workload`` is re-zeroed
+when a backend empties, so float rounding never accumulates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetroute.types import FloatArray, IntArray
+
+
+@dataclass(slots=True)
+class Ticket:
+    """One dispatched request. Mutated only by the :class:`Ledger` that issued it."""
+
+    request_id: str
+    backend_index: int
+    backend_name: str
+    input_tokens: int
+    predicted_output_tokens: int
+    workload_cost: float
+    dispatched_at_s: float
+    policy: str = ""
+    reason: str = ""
+    generated_tokens: int = 0
+    first_token_at_s: float | None = None
+    released: bool = False
+    released_at_s: float | None = None
+
+
+class Ledger:
+    """Per-backend in-flight accounting with exactly-once release."""
+
+    def __init__(self, backend_names: Sequence[str]) -> None:
+        n = len(backend_names)
+        self.backend_names: tuple[str, ...] = tuple(backend_names)
+        self.requests_in_flight: IntArray = np.zeros(n, dtype=np.int64)
+        self.input_tokens_in_flight: FloatArray = np.zeros(n, dtype=np.float64)
+        self.remaining_predicted_tokens: FloatArray = np.zeros(n, dtype=np.float64)
+        self.generated_tokens_in_flight: FloatArray = np.zeros(n, dtype=np.float64)
+        self.workload: FloatArray = np.zeros(n, dtype=np.float64)
+        self.dispatched_total: IntArray = np.zeros(n, dtype=np.int64)
+        self.released_total: IntArray = np.zeros(n, dtype=np.int64)
+        self._in_flight = 0
+
+    def dispatch(
+        self,
+        *,
+        request_id: str,
+        backend_index: int,
+        input_tokens: int,
+        predicted_output_tokens: int,
+        workload_cost: float,
+        now_s: float,
+        policy: str = "",
+        reason: str = "",
+    ) -> Ticket:
+        """Record a request sent to ``backend_index``; returns the ticket to release later."""
+        i = backend_index
+        self.requests_in_flight[i] += 1
+        self.input_tokens_in_flight[i] += input_tokens
+        self.remaining_predicted_tokens[i] += predicted_output_tokens
+        self.workload[i] += workload_cost
+        self.dispatched_total[i] += 1
+        self._in_flight += 1
+        return Ticket(
+            request_id=request_id,
+            backend_index=i,
+            backend_name=self.backend_names[i],
+            input_tokens=input_tokens,
+            predicted_output_tokens=predicted_output_tokens,
+            workload_cost=workload_cost,
+            dispatched_at_s=now_s,
+            policy=policy,
+            reason=reason,
+        )
+
+    def first_token(self, ticket: Ticket, now_s: float) -> None:
+        """Mark the time of the first token (idempotent)."""
+        if ticket.first_token_at_s is None and not ticket.released:
+            ticket.first_token_at_s = now_s
+
+    def observe_generated(self, ticket: Ticket, generated_tokens: int) -> None:
+        """Replace predicted tokens with observed ones: ``generated_tokens`` is cumulative.
+
+        KV estimate per request = I + generated + max(Õ − generated, 0).
+        """
+        if ticket.released or generated_tokens <= ticket.generated_tokens:
+            return
+        i = ticket.backend_index
+        old_remaining = max(ticket.predicted_output_tokens - ticket.generated_tokens, 0)
+        new_remaining = max(ticket.predicted_output_tokens - generated_tokens, 0)
+        self.generated_tokens_in_flight[i] += generated_tokens - ticket.generated_tokens
+        self.remaining_predicted_tokens[i] += new_remaining - old_remaining
+        ticket.generated_tokens = generated_tokens
+
+    def release(self, ticket: Ticket, now_s: float) -> bool:
+        """Undo the ticket's dispatch. Effective exactly once; later calls return False."""
+        if ticket.released:
+            return False
+        ticket.released = True
+        ticket.released_at_s = now_s
+        i = ticket.backend_index
+        self.requests_in_flight[i] -= 1
+        self.input_tokens_in_flight[i] -= ticket.input_tokens
+        self.remaining_predicted_tokens[i] -= max(ticket.predicted_output_tokens - ticket.generated_tokens, 0)
+        self.generated_tokens_in_flight[i] -= ticket.generated_tokens
+        self.workload[i] -= ticket.workload_cost
+        self.released_total[i] += 1
+        self._in_flight -= 1
+        if self.requests_in_flight[i] == 0:
+            # Token counters are integral sums and return to 0 exactly; the float load may
+            # carry rounding error, so reset it when the backend is empty.
+            self.workload[i] = 0.0
+        return True
+
+    def in_flight(self) -> int:
+        """Requests dispatched and not yet released, over all backends."""
+        return self._in_flight
+
+    def backend_load(self, index: int) -> dict[str, float]:
+        """The accounting of one backend as plain numbers (for /admin/backends)."""
+        return {
+            "requests_in_flight": int(self.requests_in_flight[index]),
+            "input_tokens_in_flight": float(self.input_tokens_in_flight[index]),
+            "remaining_predicted_tokens": float(self.remaining_predicted_tokens[index]),
+            "generated_tokens_in_flight": float(self.generated_tokens_in_flight[index]),
+            "workload": float(self.workload[index]),
+            "dispatched_total": int(self.dispatched_total[index]),
+            "released_total": int(self.released_total[index]),
+        }
+
+    def is_zero(self) -> bool:
+        """True when nothing is in flight and every counter is exactly zero."""
+        return (
+            self._in_flight == 0
+            and not self.requests_in_flight.any()
+            and not self.input_tokens_in_flight.any()
+            and not self.remaining_predicted_tokens.any()
+            and not self.generated_tokens_in_flight.any()
+            and not self.workload.any()
+            and bool((self.dispatched_total == self.released_total).all())
+        )

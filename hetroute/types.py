@@ -1,0 +1,195 @@
+"""Shared value types and protocols for every layer of hetroute.
+
+Everything here is immutable (frozen, slotted dataclasses) except the arrays inside a
+:class:`ClusterSnapshot`, which are read-only numpy views. Policies receive only these
+types, so they can never mutate router state.
+
+Dependency rule: this module imports nothing from the rest of hetroute except
+``hetroute.latency`` (the profile schema), so every layer may import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from hetroute.latency import LatencyProfile
+
+Api = Literal["openai", "tgi"]
+"""The client-facing API family of a request."""
+
+EngineKind = Literal["vllm", "tgi", "openai"]
+"""The engine behind a backend. vLLM and TGI both speak OpenAI; only TGI speaks /generate."""
+
+ENGINE_KINDS: tuple[EngineKind, ...] = ("vllm", "tgi", "openai")
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+
+def engine_speaks(engine: EngineKind, api: Api) -> bool:
+    """True when a backend of kind ``engine`` serves requests of API family ``api``."""
+    return api == "openai" or engine == "tgi"
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """One configured backend (engine instance). Immutable; swapped whole on reconfiguration.
+
+    ``kv_capacity_tokens`` is the configured or discovered KV capacity in tokens (None when
+    unknown; engines' ``vllm:cache_config_info`` or the profile may supply it later).
+    """
+
+    name: str
+    url: str
+    engine: EngineKind
+    models: tuple[str, ...]
+    weight: float = 1.0
+    labels: Mapping[str, str] = field(default_factory=dict)
+    gpu: str | None = None
+    tp: int | None = None
+    profile: LatencyProfile | None = None
+    profile_path: str | None = None
+    kv_capacity_tokens: int | None = None
+    max_num_seqs: int | None = None
+
+    def serves(self, model: str, api: Api) -> bool:
+        """True when this backend serves ``model`` through API family ``api``."""
+        return model in self.models and engine_speaks(self.engine, api)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics:
+    """The latest scrape of one backend's own ``/metrics`` (or the simulator's engine state).
+
+    A metric the engine does not expose is ``None``, never 0 (house style §6).
+    """
+
+    scraped_at_s: float
+    num_requests_running: float | None = None
+    num_requests_waiting: float | None = None
+    kv_usage_frac: float | None = None
+    kv_capacity_tokens: int | None = None
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    num_preemptions_total: float | None = None
+    batch_current_max_tokens: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    """What a policy may know about a request before it is dispatched.
+
+    ``input_tokens`` is an estimate (chars-per-token, learned online) unless a tokenizer
+    was used; ``predicted_output_tokens`` comes from the configured predictor and is
+    already clamped to ``max_tokens``.
+    """
+
+    request_id: str
+    model: str
+    api: Api
+    input_tokens: int
+    max_tokens: int | None
+    predicted_output_tokens: int
+    stream: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    """An immutable view of the cluster for one routing decision.
+
+    Index ``i`` in every array refers to ``backends[i]``. Arrays are read-only copies of
+    the ledger's per-backend accounting at ``now_s``:
+
+    - ``requests_in_flight[i]``: dispatched and not yet released requests.
+    - ``input_tokens_in_flight[i]``: Σ I_r of those requests.
+    - ``remaining_predicted_tokens[i]``: Σ max(Õ_r − generated_r, 0).
+    - ``generated_tokens_in_flight[i]``: Σ tokens generated so far (observed while streaming).
+    - ``workload[i]``: L_i, the sum of the policy costs (``RoutingDecision.workload_cost``)
+      of in-flight requests (method.md §5).
+    - ``available[i]``: healthy and not ejected.
+    - ``kv_capacity_tokens[i]``: best known KV capacity in tokens, NaN when unknown
+      (profile, then engine metrics, then config).
+
+    ``metrics[i]`` is the latest engine scrape or None.
+    """
+
+    now_s: float
+    backends: tuple[BackendSpec, ...]
+    metrics: tuple[EngineMetrics | None, ...]
+    requests_in_flight: IntArray
+    input_tokens_in_flight: FloatArray
+    remaining_predicted_tokens: FloatArray
+    generated_tokens_in_flight: FloatArray
+    workload: FloatArray
+    available: BoolArray
+    kv_capacity_tokens: FloatArray
+
+    @property
+    def kv_tokens_in_flight(self) -> FloatArray:
+        """Σ (I + generated + remaining prediction) per backend: the ledger's KV estimate."""
+        out: FloatArray = (
+            self.input_tokens_in_flight + self.generated_tokens_in_flight + self.remaining_predicted_tokens
+        )
+        return out
+
+    def index_of(self, name: str) -> int:
+        """Position of backend ``name`` (ValueError when absent)."""
+        for i, spec in enumerate(self.backends):
+            if spec.name == name:
+                return i
+        raise ValueError(f"unknown backend {name!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingDecision:
+    """A policy's answer: the chosen backend index, why, and the cost it adds to L_index.
+
+    ``workload_cost`` is added to the chosen backend's load in the ledger on dispatch and
+    removed exactly once when the request ends (method.md §5). Policies that do not use a
+    load notion return 0.
+    """
+
+    index: int
+    reason: str
+    workload_cost: float = 0.0
+    scores: Mapping[str, float] = field(default_factory=dict)
+
+
+class Policy(Protocol):
+    """A routing policy: a pure decision over an immutable snapshot.
+
+    ``candidates`` holds the indices (into ``snapshot.backends``) that serve the request's
+    model and API and are available; it is never empty. ``choose`` does no I/O, never reads
+    the clock or the global RNG, and must return one of the candidates.
+    """
+
+    name: str
+
+    def choose(
+        self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray
+    ) -> RoutingDecision: ...
+
+
+class OutputLengthPredictor(Protocol):
+    """Predicts a request's output length in tokens; learns from completed requests.
+
+    ``predict`` never exceeds ``max_tokens`` when it is given and is at least 1.
+    """
+
+    name: str
+
+    def predict(self, model: str, input_tokens: int, max_tokens: int | None) -> int: ...
+
+    def observe(self, model: str, input_tokens: int, output_tokens: int) -> None: ...
+
+
+class Clock(Protocol):
+    """Monotonic seconds. The only way code reads time (house style §7)."""
+
+    def now(self) -> float: ...

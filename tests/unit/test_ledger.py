@@ -1,0 +1,61 @@
+"""Ledger invariants: exactly-once release and exact return to zero."""
+
+from __future__ import annotations
+
+import random
+
+from hetroute.routing.ledger import Ledger
+
+
+def test_dispatch_and_release_round_trip() -> None:
+    led = Ledger(["a", "b"])
+    t = led.dispatch(request_id="1", backend_index=1, input_tokens=100, predicted_output_tokens=40,
+                     workload_cost=0.3, now_s=0.0)
+    assert led.backend_load(1)["requests_in_flight"] == 1
+    assert led.backend_load(1)["input_tokens_in_flight"] == 100
+    assert led.backend_load(1)["remaining_predicted_tokens"] == 40
+    assert led.backend_load(1)["workload"] == 0.3
+    assert led.backend_load(0)["requests_in_flight"] == 0
+    assert led.release(t, 1.0) is True
+    assert led.release(t, 2.0) is False  # second release has no effect
+    assert led.is_zero()
+    assert t.released_at_s == 1.0
+
+
+def test_observed_tokens_replace_predicted() -> None:
+    led = Ledger(["a"])
+    t = led.dispatch(request_id="1", backend_index=0, input_tokens=10, predicted_output_tokens=5,
+                     workload_cost=1.0, now_s=0.0)
+    led.observe_generated(t, 3)
+    assert led.backend_load(0)["generated_tokens_in_flight"] == 3
+    assert led.backend_load(0)["remaining_predicted_tokens"] == 2
+    led.observe_generated(t, 8)  # more than predicted: remaining clamps at 0
+    assert led.backend_load(0)["generated_tokens_in_flight"] == 8
+    assert led.backend_load(0)["remaining_predicted_tokens"] == 0
+    led.observe_generated(t, 7)  # counts never go backwards
+    assert led.backend_load(0)["generated_tokens_in_flight"] == 8
+    led.release(t, 1.0)
+    led.observe_generated(t, 20)  # after release: no effect
+    assert led.is_zero()
+
+
+def test_random_interleaving_returns_exactly_to_zero() -> None:
+    rng = random.Random(7)
+    led = Ledger(["a", "b", "c"])
+    live = []
+    for step in range(5000):
+        if live and rng.random() < 0.5:
+            t = live.pop(rng.randrange(len(live)))
+            if rng.random() < 0.5:
+                led.observe_generated(t, rng.randrange(0, 300))
+            assert led.release(t, float(step))
+            if rng.random() < 0.1:
+                assert not led.release(t, float(step))
+        else:
+            live.append(led.dispatch(request_id=str(step), backend_index=rng.randrange(3),
+                                     input_tokens=rng.randrange(1, 2000), predicted_output_tokens=rng.randrange(1, 500),
+                                     workload_cost=rng.random() * 3.7, now_s=float(step)))
+        assert led.in_flight() == len(live)
+    for t in live:
+        led.release(t, 1e9)
+    assert led.is_zero()

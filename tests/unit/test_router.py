@@ -1,0 +1,67 @@
+"""Router: eligibility, availability, exclusion, snapshot contents, ledger recording."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetroute.clock import ManualClock
+from hetroute.errors import NoBackendAvailable, UnknownModel
+from hetroute.policies import PolicyContext, build_policy
+from hetroute.routing.ledger import Ledger
+from hetroute.routing.router import Router
+from hetroute.types import EngineMetrics, RequestFeatures
+from tests.unit.snapshots import spec
+
+
+def make_router(available: set[int] | None = None) -> Router:
+    backends = [spec("v1", models=("m",)), spec("t1", models=("m", "x"), engine="tgi"), spec("v2", models=("x",))]
+    policy = build_policy("round_robin", {}, PolicyContext(tuple(backends)))
+    metrics = {1: EngineMetrics(scraped_at_s=0.0, kv_capacity_tokens=4096)}
+    return Router(backends, policy, Ledger([b.name for b in backends]), ManualClock(),
+                  is_available=(lambda i: available is None or i in available),
+                  latest_metrics=metrics.get)
+
+
+def feats(model: str, api: str = "openai") -> RequestFeatures:
+    return RequestFeatures(request_id="r", model=model, api=api, input_tokens=10, max_tokens=None,  # type: ignore[arg-type]
+                           predicted_output_tokens=5)
+
+
+def test_only_backends_serving_model_and_api_are_chosen() -> None:
+    r = make_router()
+    assert r.serving("m", "openai") == (0, 1)
+    assert r.serving("m", "tgi") == (1,)
+    assert r.serving("x", "openai") == (1, 2)
+    chosen = {r.route(feats("m", "tgi")).backend_name for _ in range(4)}
+    assert chosen == {"t1"}
+
+
+def test_unknown_model_and_no_available_backend() -> None:
+    r = make_router(available={2})
+    with pytest.raises(UnknownModel):
+        r.route(feats("nope"))
+    with pytest.raises(NoBackendAvailable):
+        r.route(feats("m"))
+    assert r.route(feats("x")).backend_name == "v2"
+
+
+def test_exclude_skips_tried_backends() -> None:
+    r = make_router()
+    t = r.route(feats("m"), exclude={0})
+    assert t.backend_name == "t1"
+    with pytest.raises(NoBackendAvailable):
+        r.route(feats("m"), exclude={0, 1})
+
+
+def test_snapshot_reflects_ledger_and_metrics_and_is_read_only() -> None:
+    r = make_router()
+    t = r.route(feats("m"))
+    snap = r.snapshot()
+    assert snap.requests_in_flight[t.backend_index] == 1
+    assert snap.input_tokens_in_flight[t.backend_index] == 10
+    assert snap.kv_capacity_tokens[1] == 4096 and np.isnan(snap.kv_capacity_tokens[0])
+    with pytest.raises(ValueError):
+        snap.requests_in_flight[0] = 5
+    assert r.release(t) and not r.release(t)
+    assert r.ledger.is_zero()
