@@ -1,0 +1,307 @@
+"""``hetroute simulate``: run a (policy × rate) matrix through the discrete-event simulator.
+
+Parses the command line, resolves the cluster (built-in scenario or cluster file), builds one
+workload per rate (same lengths at every rate for one seed), runs every policy on it with
+:func:`hetroute.sim.simulator.run_simulation`, prints a table and writes JSON/PNG on request.
+
+Policy syntax (``--policies`` is comma-separated; ``--policy`` takes one spec and may repeat)::
+
+    NAME[:KEY=VALUE[:KEY=VALUE...]]        e.g.  weighted_round_robin:weights=4:1
+                                                 workload_minmax:theta=1:kv_signal=engine
+
+A ``:``-segment without ``=`` continues the previous value, so ``weights=4:1`` is the list [4, 1]
+(in backend order). Values are numbers, ``true``/``false``, lists of numbers (``4:1`` or, in
+``--policy``, ``4,1``) or strings. ``default`` is the router's default policy. ``--theta`` sets
+``theta`` on every listed policy that has that parameter and was not given one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hetroute.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    """One policy of the matrix: its label (the spec as written), registry name and params."""
+
+    label: str
+    name: str
+    params: Mapping[str, object]
+
+
+def _scalar(text: str) -> object:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _value(text: str) -> object:
+    for sep in (":", ","):
+        parts = text.split(sep)
+        if len(parts) > 1:
+            values = [_scalar(p) for p in parts]
+            if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+                return values
+    return _scalar(text)
+
+
+def parse_policy_spec(text: str) -> PolicySpec:
+    """``NAME[:KEY=VALUE...]`` → :class:`PolicySpec` (ConfigError naming ``policies`` when malformed)."""
+    spec = text.strip()
+    name, _, rest = spec.partition(":")
+    if not name:
+        raise ConfigError("policies", f"empty policy name in {text!r}")
+    params: dict[str, str] = {}
+    last: str | None = None
+    for segment in rest.split(":") if rest else []:
+        if "=" in segment:
+            key, _, value = segment.partition("=")
+            if not key:
+                raise ConfigError("policies", f"empty parameter name in {text!r}")
+            params[key] = value
+            last = key
+        elif last is not None:
+            params[last] += ":" + segment
+        else:
+            raise ConfigError("policies", f"expected KEY=VALUE after {name!r} in {text!r}")
+    return PolicySpec(label=spec, name=name, params={k: _value(v) for k, v in params.items()})
+
+
+def parse_policy_list(text: str) -> list[PolicySpec]:
+    return [parse_policy_spec(part) for part in text.split(",") if part.strip()]
+
+
+def add_parser(subparsers: Any) -> None:
+    from hetroute.sim.workload import WORKLOAD_KINDS
+
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate routing policies on a cluster of engines in virtual time",
+        description=(
+            "Discrete-event simulation of a heterogeneous cluster driving the real router, policies, "
+            "ledger and predictor. Prints a table; --json/--plot write the results (docs/simulate.md)."
+        ),
+    )
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--scenario", help="a built-in cluster (see --list-scenarios)")
+    where.add_argument("--cluster", type=Path, help="a cluster file (YAML; see config/simulate/)")
+    p.add_argument("--list-scenarios", action="store_true", help="list the built-in clusters and exit")
+    p.add_argument(
+        "--workload",
+        default="sharegpt",
+        help=f"one of {', '.join(WORKLOAD_KINDS)}, or a trace file (.csv or .jsonl). Default: sharegpt",
+    )
+    p.add_argument(
+        "--policies", default="round_robin,weighted_round_robin,default", help="comma-separated policy specs"
+    )
+    p.add_argument(
+        "--policy", action="append", default=[], metavar="SPEC", help="one more policy spec (repeatable)"
+    )
+    p.add_argument("--theta", type=float, help="θ for every listed policy that takes it (method.md §5)")
+    p.add_argument("--predictor", default="default", help="output-length predictor NAME[:KEY=VALUE...]")
+    p.add_argument(
+        "--rates", default=None, help="comma-separated req/s, 'inf' or 'trace' (default 8,16,24,inf)"
+    )
+    p.add_argument("--requests", type=int, default=4000, help="requests per run (a trace's first N)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--arrival-cv", type=float, default=1.0, help="coefficient of variation of inter-arrival gaps"
+    )
+    p.add_argument(
+        "--max-model-len", type=int, help="clip prompt+output to this (default: the engines' limit)"
+    )
+    p.add_argument(
+        "--send-max-tokens", action="store_true", help="requests carry max_tokens = their true length"
+    )
+    p.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=None,
+        help="seconds between engine-metric scrapes (default: gateway's scrape.interval_s; 0: live)",
+    )
+    p.add_argument("--json", type=Path, help="write the results as JSON")
+    p.add_argument("--plot", type=Path, help="write a PNG plot of throughput and TTFT p99 against rate")
+    p.set_defaults(func=run)
+
+
+def _with_theta(
+    specs: Sequence[PolicySpec], theta: float | None, backends: Any, seed: int
+) -> list[PolicySpec]:
+    """Add θ where the policy accepts it; build each policy once so bad params fail before the matrix."""
+    from hetroute.policies import PolicyContext, build_policy
+
+    out: list[PolicySpec] = []
+    for spec in specs:
+        params = dict(spec.params)
+        if theta is not None and "theta" not in params:
+            try:
+                build_policy(spec.name, {**params, "theta": theta}, PolicyContext(backends, seed))
+                params["theta"] = theta
+            except ConfigError as exc:
+                if exc.path != "policy.params.theta":
+                    raise
+        try:
+            build_policy(spec.name, params, PolicyContext(backends, seed))
+        except ConfigError as exc:
+            raise ConfigError(
+                f"policies[{spec.label}].{exc.path.removeprefix('policy.')}", exc.message
+            ) from None
+        out.append(PolicySpec(spec.label, spec.name, params))
+    labels = [s.label for s in out]
+    if len(set(labels)) != len(labels):
+        raise ConfigError("policies", f"a policy is listed twice: {', '.join(labels)}")
+    return out
+
+
+def _list_scenarios() -> int:
+    from hetroute.sim.cluster_file import build_fleet
+    from hetroute.sim.scenarios import SCENARIOS
+
+    for name, scenario in SCENARIOS.items():
+        fleet = build_fleet(scenario.cluster())
+        print(f"{name}: {scenario.description}")
+        for b in fleet.backends:
+            print(
+                f"    {b.name:<12} {b.gpu} TP{b.tp}  {b.models[0]}  "
+                f"KV {b.kv_capacity_tokens} tokens  weight {b.weight:g}"
+            )
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ConfigError as exc:
+        print(f"hetroute simulate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from hetroute.policies import resolve_policy_name
+    from hetroute.sim.cluster_file import build_fleet, load_cluster_file
+    from hetroute.sim.report import (
+        MatrixRun,
+        build_document,
+        format_table,
+        workload_summary,
+        write_json,
+        write_plot,
+    )
+    from hetroute.sim.scenarios import get_scenario
+    from hetroute.sim.simulator import GATEWAY_SCRAPE_INTERVAL_S, run_simulation
+    from hetroute.sim.workload import (
+        WORKLOAD_KINDS,
+        SimRequest,
+        generate_workload,
+        load_trace,
+        parse_rate,
+        rate_label,
+    )
+
+    if args.list_scenarios:
+        return _list_scenarios()
+    if args.scenario is None and args.cluster is None:
+        raise ConfigError(
+            "--scenario/--cluster", "give a built-in scenario or a cluster file (--list-scenarios)"
+        )
+    if args.requests < 1:
+        raise ConfigError("--requests", f"must be >= 1, got {args.requests}")
+    cluster = get_scenario(args.scenario).cluster() if args.scenario else load_cluster_file(args.cluster)
+    fleet = build_fleet(cluster)
+    is_trace = args.workload not in WORKLOAD_KINDS
+    if is_trace and not Path(args.workload).is_file():
+        raise ConfigError(
+            "--workload", f"not a workload kind ({', '.join(WORKLOAD_KINDS)}) nor a file: {args.workload}"
+        )
+    rates = [
+        parse_rate(r)
+        for r in (args.rates or ("trace" if is_trace else "8,16,24,inf")).split(",")
+        if r.strip()
+    ]
+    if not rates:
+        raise ConfigError("--rates", "no rate given")
+    if not is_trace and "trace" in rates:
+        raise ConfigError("--rates", "'trace' needs a trace file as --workload")
+    specs = parse_policy_list(args.policies) + [parse_policy_spec(s) for s in args.policy]
+    if not specs:
+        raise ConfigError("--policies", "no policy given")
+    specs = _with_theta(specs, args.theta, fleet.backends, args.seed)
+    pred = parse_policy_spec(args.predictor)
+    max_len = args.max_model_len or fleet.max_model_len()
+    scrape_s = GATEWAY_SCRAPE_INTERVAL_S if args.scrape_interval is None else args.scrape_interval
+
+    started = time.perf_counter()
+    runs: list[MatrixRun] = []
+    summary: dict[str, Any] = {}
+    for rate in rates:
+        workload: list[SimRequest]
+        if is_trace:
+            workload = load_trace(
+                args.workload,
+                n=args.requests,
+                rate=rate,
+                seed=args.seed,
+                max_model_len=max_len,
+                send_max_tokens=args.send_max_tokens,
+            )
+        else:
+            workload = generate_workload(
+                args.workload,
+                args.requests,
+                math.inf if rate == "trace" else rate,
+                args.seed,
+                max_len,
+                arrival_cv=args.arrival_cv,
+                send_max_tokens=args.send_max_tokens,
+            )
+        summary = workload_summary(args.workload, workload)
+        for spec in specs:
+            result = run_simulation(
+                fleet,
+                workload,
+                spec.name,
+                spec.params,
+                predictor=pred.name,
+                predictor_params=pred.params,
+                seed=args.seed,
+                scrape_interval_s=scrape_s,
+                label=spec.label,
+            )
+            runs.append(MatrixRun(rate_label(rate), resolve_policy_name(spec.name), spec.params, result))
+    elapsed = time.perf_counter() - started
+    summary.update(
+        {
+            "seed": args.seed,
+            "max_model_len": max_len,
+            "arrival_cv": args.arrival_cv,
+            "send_max_tokens": args.send_max_tokens,
+            "rates": [rate_label(r) for r in rates],
+        }
+    )
+    print(f"cluster {cluster.name}: {', '.join(f'{b.name} ({b.gpu} TP{b.tp})' for b in fleet.backends)}")
+    print(f"workload {args.workload}: {args.requests} requests, seed {args.seed}; predictor {pred.label}")
+    print(format_table(runs))
+    print(f"{len(runs)} runs in {elapsed:.1f} s")
+    if args.json is not None:
+        doc = build_document(
+            fleet, summary, runs, seed=args.seed, scrape_interval_s=scrape_s, elapsed_s=elapsed
+        )
+        write_json(doc, args.json)
+    if args.plot is not None:
+        write_plot(runs, args.plot, title=f"{cluster.name} · {args.workload} · {args.requests} requests")
+    return 0
