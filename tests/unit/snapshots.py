@@ -9,7 +9,9 @@ import numpy as np
 from hetroute.types import BackendSpec, ClusterSnapshot, EngineMetrics, RequestFeatures
 
 
-def spec(name: str, *, weight: float = 1.0, models: tuple[str, ...] = ("m",), engine: str = "vllm") -> BackendSpec:
+def spec(
+    name: str, *, weight: float = 1.0, models: tuple[str, ...] = ("m",), engine: str = "vllm"
+) -> BackendSpec:
     return BackendSpec(name=name, url=f"http://127.0.0.1/{name}", engine=engine, models=models, weight=weight)  # type: ignore[arg-type]
 
 
@@ -37,12 +39,18 @@ def snapshot(
         generated_tokens_in_flight=arr(None, np.float64),
         workload=arr(workload, np.float64),
         available=np.ones(n, dtype=np.bool_),
-        kv_capacity_tokens=np.array(kv_capacity if kv_capacity is not None else [np.nan] * n, dtype=np.float64),
+        kv_capacity_tokens=np.array(
+            kv_capacity if kv_capacity is not None else [np.nan] * n, dtype=np.float64
+        ),
     )
 
 
 def features(input_tokens: int = 100, predicted: int = 50, max_tokens: int | None = None) -> RequestFeatures:
     return RequestFeatures(
-        request_id="r", model="m", api="openai", input_tokens=input_tokens, max_tokens=max_tokens,
+        request_id="r",
+        model="m",
+        api="openai",
+        input_tokens=input_tokens,
+        max_tokens=max_tokens,
         predicted_output_tokens=predicted,
     )

@@ -9,8 +9,14 @@ from hetroute.routing.ledger import Ledger
 
 def test_dispatch_and_release_round_trip() -> None:
     led = Ledger(["a", "b"])
-    t = led.dispatch(request_id="1", backend_index=1, input_tokens=100, predicted_output_tokens=40,
-                     workload_cost=0.3, now_s=0.0)
+    t = led.dispatch(
+        request_id="1",
+        backend_index=1,
+        input_tokens=100,
+        predicted_output_tokens=40,
+        workload_cost=0.3,
+        now_s=0.0,
+    )
     assert led.backend_load(1)["requests_in_flight"] == 1
     assert led.backend_load(1)["input_tokens_in_flight"] == 100
     assert led.backend_load(1)["remaining_predicted_tokens"] == 40
@@ -24,8 +30,14 @@ def test_dispatch_and_release_round_trip() -> None:
 
 def test_observed_tokens_replace_predicted() -> None:
     led = Ledger(["a"])
-    t = led.dispatch(request_id="1", backend_index=0, input_tokens=10, predicted_output_tokens=5,
-                     workload_cost=1.0, now_s=0.0)
+    t = led.dispatch(
+        request_id="1",
+        backend_index=0,
+        input_tokens=10,
+        predicted_output_tokens=5,
+        workload_cost=1.0,
+        now_s=0.0,
+    )
     led.observe_generated(t, 3)
     assert led.backend_load(0)["generated_tokens_in_flight"] == 3
     assert led.backend_load(0)["remaining_predicted_tokens"] == 2
@@ -52,9 +64,16 @@ def test_random_interleaving_returns_exactly_to_zero() -> None:
             if rng.random() < 0.1:
                 assert not led.release(t, float(step))
         else:
-            live.append(led.dispatch(request_id=str(step), backend_index=rng.randrange(3),
-                                     input_tokens=rng.randrange(1, 2000), predicted_output_tokens=rng.randrange(1, 500),
-                                     workload_cost=rng.random() * 3.7, now_s=float(step)))
+            live.append(
+                led.dispatch(
+                    request_id=str(step),
+                    backend_index=rng.randrange(3),
+                    input_tokens=rng.randrange(1, 2000),
+                    predicted_output_tokens=rng.randrange(1, 500),
+                    workload_cost=rng.random() * 3.7,
+                    now_s=float(step),
+                )
+            )
         assert led.in_flight() == len(live)
     for t in live:
         led.release(t, 1e9)

@@ -42,8 +42,10 @@ def test_wrr_uses_backend_weight_by_default() -> None:
 
 def test_random_is_seeded_and_covers_candidates() -> None:
     bs = (spec("a"), spec("b"), spec("c"))
-    seq1 = [build_policy("random", {"seed": 3}, PolicyContext(bs)).choose(features(), snapshot(bs), ALL).index
-            for _ in range(1)]
+    seq1 = [
+        build_policy("random", {"seed": 3}, PolicyContext(bs)).choose(features(), snapshot(bs), ALL).index
+        for _ in range(1)
+    ]
     p1 = build_policy("random", {"seed": 3}, PolicyContext(bs))
     p2 = build_policy("random", {"seed": 3}, PolicyContext(bs))
     a = [p1.choose(features(), snapshot(bs), ALL).index for _ in range(50)]

@@ -15,17 +15,32 @@ from tests.unit.snapshots import spec
 
 
 def make_router(available: set[int] | None = None) -> Router:
-    backends = [spec("v1", models=("m",)), spec("t1", models=("m", "x"), engine="tgi"), spec("v2", models=("x",))]
+    backends = [
+        spec("v1", models=("m",)),
+        spec("t1", models=("m", "x"), engine="tgi"),
+        spec("v2", models=("x",)),
+    ]
     policy = build_policy("round_robin", {}, PolicyContext(tuple(backends)))
     metrics = {1: EngineMetrics(scraped_at_s=0.0, kv_capacity_tokens=4096)}
-    return Router(backends, policy, Ledger([b.name for b in backends]), ManualClock(),
-                  is_available=(lambda i: available is None or i in available),
-                  latest_metrics=metrics.get)
+    return Router(
+        backends,
+        policy,
+        Ledger([b.name for b in backends]),
+        ManualClock(),
+        is_available=(lambda i: available is None or i in available),
+        latest_metrics=metrics.get,
+    )
 
 
 def feats(model: str, api: str = "openai") -> RequestFeatures:
-    return RequestFeatures(request_id="r", model=model, api=api, input_tokens=10, max_tokens=None,  # type: ignore[arg-type]
-                           predicted_output_tokens=5)
+    return RequestFeatures(
+        request_id="r",
+        model=model,
+        api=api,
+        input_tokens=10,
+        max_tokens=None,  # type: ignore[arg-type]
+        predicted_output_tokens=5,
+    )
 
 
 def test_only_backends_serving_model_and_api_are_chosen() -> None:
