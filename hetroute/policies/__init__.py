@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from hetroute.errors import ConfigError
+from hetroute.policies import balanced_minmax, capacity_weighted, memory_minmax, single, workload_minmax
 from hetroute.policies.base import PolicyContext, PolicyFactory
 from hetroute.policies.least_outstanding import LeastOutstanding
 from hetroute.policies.random_choice import RandomChoice
@@ -22,9 +23,14 @@ POLICIES: dict[str, PolicyFactory] = {
     "random": RandomChoice.from_config,
     "weighted_round_robin": WeightedRoundRobin.from_config,
     "least_outstanding": LeastOutstanding.from_config,
+    "workload_minmax": workload_minmax.from_config,
+    "memory_minmax": memory_minmax.from_config,
+    "single": single.Single.from_config,
+    "capacity_weighted": capacity_weighted.CapacityWeighted.from_config,
+    "balanced_minmax": balanced_minmax.from_config,
 }
 
-DEFAULT_POLICY = "least_outstanding"
+DEFAULT_POLICY = "balanced_minmax"
 """The policy behind the ``default`` alias."""
 
 __all__ = [

@@ -159,7 +159,11 @@ class Emulator:
                     await asyncio.sleep(0)
                 continue
             outcome = engine.step(clock.now())
-            if outcome.scheduled_tokens == 0:  # nothing runnable: wait for a submission or an abort
+            if outcome.scheduled_tokens == 0:
+                if outcome.preempted:  # preemption freed blocks: plan again at once
+                    await asyncio.sleep(0)
+                    continue
+                # nothing runnable: wait for a submission or an abort
                 self.wake.clear()
                 await self.wake.wait()
                 deadline = loop.time()
