@@ -26,8 +26,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The top-level parser; only ``command`` (when given) gets its full sub-parser."""
+def build_parser(command: str | None = None, *, lazy: bool = False) -> argparse.ArgumentParser:
+    """The top-level parser with every command's full sub-parser.
+
+    With ``lazy=True`` only ``command`` gets its full sub-parser (the others are one-line
+    stubs for ``--help``), so only that command's module is imported.
+    """
     parser = argparse.ArgumentParser(
         prog="hetroute",
         description="Request router for LLM serving on heterogeneous GPU clusters.",
@@ -36,7 +40,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hetroute {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, summary) in COMMANDS.items():
-        if name == command:
+        if not lazy or name == command:
             module = importlib.import_module(f"hetroute.commands.{module_name}")
             module.add_parser(sub)
         else:
@@ -47,7 +51,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in args_list if not a.startswith("-")), None)
-    parser = build_parser(command if command in COMMANDS else None)
+    parser = build_parser(command, lazy=True)
     args = parser.parse_args(args_list)
     func = getattr(args, "func", None)
     if func is None:
