@@ -1,0 +1,284 @@
+"""Per-backend latency and KV-capacity models for the profile-driven policies.
+
+Owns the resolution of *which* latency parameters (p1..p8 of method.md §3) and *which* KV capacity
+each backend is scored with, the vectorised evaluation of the paper's amortised request time
+
+    b_r^s = clip(floor(cap_s / (I_r + Õ_r)), 1, max_num_seqs_s)                 (method.md §5, Eq. 5)
+    T_r^s = (T_prefill(b, I_r) + T_decode(b, I_r, Õ_r)) / b                      (Eq. 6)
+
+over a candidate index array, and the one-line description of the sources that the gateway shows in
+``/admin/backends`` and the log (:func:`describe_backend_models`).
+
+Resolution order (documented fallbacks, never a failure):
+
+- latency: ``BackendSpec.profile`` → the roofline prior ``hetroute.prior.roofline_prior_profile(gpu,
+  model, tp)`` from the backend's ``gpu``/``tp`` labels and its model → a neutral default
+  (``NEUTRAL_PARAMS``: 0.2 ms per prompt token and 20 ms per decode step at any batch, i.e. every
+  unprofiled backend is equally fast and throughput grows with KV capacity);
+- KV capacity: the snapshot's ``kv_capacity_tokens`` (the router's best known value: profile, engine
+  metrics ``vllm:cache_config_info``, configured ``kv_capacity_tokens``) → the prior's computed
+  capacity → the median of the other backends' static capacities → ``NEUTRAL_KV_CAPACITY_TOKENS``.
+
+Invariant: everything here is computed once at construction from immutable specs; evaluation reads
+only the snapshot and returns new arrays.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetroute.errors import ConfigError
+from hetroute.latency import LatencyParams, LatencyProfile
+from hetroute.sim.catalog import GpuSpec, ModelSpec
+from hetroute.types import BackendSpec, ClusterSnapshot, EngineMetrics, FloatArray, IntArray
+
+log = logging.getLogger(__name__)
+
+NEUTRAL_PARAMS = LatencyParams(p1=0.0, p2=0.0, p3=2e-4, p4=0.0, p5=0.0, p6=0.0, p7=0.0, p8=0.02)
+"""Used when a backend has neither a profile nor a usable prior: 0.2 ms per prompt token, 20 ms per step."""
+
+NEUTRAL_KV_CAPACITY_TOKENS = 65536.0
+"""KV capacity assumed when nothing (profile, metrics, config, prior, other backends) gives one."""
+
+PriorFn = Callable[[str, str, int], LatencyProfile]
+"""``(gpu, model, tp) -> LatencyProfile``: the roofline prior (``hetroute.prior.roofline_prior_profile``)."""
+
+
+def default_prior() -> PriorFn:
+    """The catalog's roofline prior by names: GPU and model looked up in the packaged catalogs.
+
+    Catalogs are loaded on the first call and kept by the returned closure (one per policy build).
+    """
+    from hetroute.prior import roofline_prior_profile
+    from hetroute.sim.catalog import load_gpu_catalog, load_model_catalog, lookup_gpu, lookup_model
+
+    catalogs: list[tuple[Mapping[str, GpuSpec], Mapping[str, ModelSpec]]] = []
+
+    def prior(gpu: str, model: str, tp: int) -> LatencyProfile:
+        if not catalogs:
+            catalogs.append((load_gpu_catalog(), load_model_catalog()))
+        gpus, models = catalogs[0]
+        return roofline_prior_profile(lookup_gpu(gpus, gpu), lookup_model(models, model), tp)
+
+    return prior
+
+
+def _cached(prior: PriorFn) -> PriorFn:
+    """``prior`` memoised per (gpu, model, tp): identical instances share one fit."""
+    memo: dict[tuple[str, str, int], LatencyProfile | Exception] = {}
+
+    def wrapped(gpu: str, model: str, tp: int) -> LatencyProfile:
+        key = (gpu, model, tp)
+        if key not in memo:
+            try:
+                memo[key] = prior(gpu, model, tp)
+            except (LookupError, ValueError, ArithmeticError, ConfigError) as exc:
+                memo[key] = exc
+        found = memo[key]
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+    return wrapped
+
+
+@dataclass(frozen=True, slots=True)
+class BackendModel:
+    """Resolved latency and capacity sources for one backend."""
+
+    params: LatencyParams
+    latency_source: str
+    static_capacity_tokens: float
+    capacity_source: str
+    max_num_seqs: float
+
+
+def _prior_profile(spec: BackendSpec, prior: PriorFn | None) -> tuple[LatencyProfile | None, str]:
+    """The prior profile for ``spec`` and a note on why it is missing when it is."""
+    if prior is None:
+        return None, "no prior available"
+    if spec.gpu is None:
+        return None, "no gpu label"
+    tp = spec.tp if spec.tp is not None else 1
+    names = [spec.labels["model"]] if "model" in spec.labels else []
+    names += [m for m in spec.models if m not in names]
+    last = "no model"
+    for model in names:
+        try:
+            return prior(spec.gpu, model, tp), f"roofline prior ({spec.gpu}, tp={tp}, {model})"
+        except (
+            LookupError,
+            ValueError,
+            ArithmeticError,
+            ConfigError,
+        ) as exc:  # unknown name, no fit, bad catalog
+            last = f"no prior for {spec.gpu}/tp={tp}/{model}: {exc}"
+    return None, last
+
+
+def resolve_backend(spec: BackendSpec, prior: PriorFn | None) -> BackendModel:
+    """Latency parameters, static capacity and engine limit of one backend, with their sources."""
+    prior_profile: LatencyProfile | None = None
+    prior_note = ""
+    if spec.profile is None or spec.profile.limits.max_num_seqs is None:
+        prior_profile, prior_note = _prior_profile(spec, prior)
+    if spec.profile is not None:
+        params = spec.profile.params
+        latency_source = f"profile ({spec.profile.source})"
+    elif prior_profile is not None:
+        params = prior_profile.params
+        latency_source = prior_note
+    else:
+        params = NEUTRAL_PARAMS
+        latency_source = f"neutral default ({prior_note})"
+    if spec.profile is not None:
+        cap, cap_source = (
+            float(spec.profile.kv_capacity_tokens),
+            f"profile ({spec.profile.kv_capacity_source})",
+        )
+    elif spec.kv_capacity_tokens is not None:
+        cap, cap_source = float(spec.kv_capacity_tokens), "config kv_capacity_tokens"
+    elif prior_profile is not None:
+        cap, cap_source = (
+            float(prior_profile.kv_capacity_tokens),
+            f"computed ({prior_profile.kv_capacity_source})",
+        )
+    else:
+        cap, cap_source = math.nan, "unknown"
+    seqs: float = math.inf
+    for limit in (
+        spec.max_num_seqs,
+        spec.profile.limits.max_num_seqs if spec.profile is not None else None,
+        prior_profile.limits.max_num_seqs if prior_profile is not None else None,
+    ):
+        if limit is not None:
+            seqs = float(limit)
+            break
+    return BackendModel(params, latency_source, cap, cap_source, seqs)
+
+
+class BackendModels:
+    """Per-backend constants as arrays (index = backend index), evaluated vectorised."""
+
+    def __init__(
+        self, backends: Sequence[BackendSpec], prior: PriorFn | None = None, *, log_fallbacks: bool = True
+    ) -> None:
+        self.backends = tuple(backends)
+        cached = _cached(prior) if prior is not None else None
+        self.models = tuple(resolve_backend(b, cached) for b in self.backends)
+        self.params: FloatArray = np.array(
+            [m.params.as_tuple() for m in self.models], dtype=np.float64
+        ).reshape(len(self.models), 8)
+        self.max_num_seqs: FloatArray = np.maximum(
+            np.array([m.max_num_seqs for m in self.models], dtype=np.float64), 1.0
+        )
+        static: FloatArray = np.array([m.static_capacity_tokens for m in self.models], dtype=np.float64)
+        known = static[np.isfinite(static)]
+        neutral = float(np.median(known)) if known.size else NEUTRAL_KV_CAPACITY_TOKENS
+        self.neutral_capacity_tokens = neutral
+        self.fallback_capacity_tokens: FloatArray = np.where(np.isfinite(static), static, neutral)
+        for spec, model in zip(self.backends, self.models, strict=True):
+            if log_fallbacks and not model.latency_source.startswith("profile"):
+                log.info("backend %s has no latency profile: using %s", spec.name, model.latency_source)
+
+    @classmethod
+    def from_specs(cls, backends: Sequence[BackendSpec]) -> BackendModels:
+        """Resolve with the catalog's roofline prior (when importable)."""
+        return cls(backends, default_prior())
+
+    def capacity_tokens(self, snapshot: ClusterSnapshot, idx: IntArray) -> FloatArray:
+        """KV capacity of backends ``idx``: the snapshot's value, else the static fallback (≥ 1 token)."""
+        snap = snapshot.kv_capacity_tokens[idx]
+        out: FloatArray = np.maximum(
+            np.where(np.isfinite(snap), snap, self.fallback_capacity_tokens[idx]), 1.0
+        )
+        return out
+
+    def amortised_request_s(
+        self, idx: IntArray, input_tokens: float, output_tokens: float, capacity_tokens: FloatArray
+    ) -> FloatArray:
+        """T_r^s (Eq. 5-6) for each backend in ``idx``; ``capacity_tokens`` aligned with ``idx``."""
+        i = float(max(input_tokens, 0))
+        o = float(max(output_tokens, 0))
+        per_request = max(1.0, i + o)
+        b = np.minimum(np.maximum(np.floor(capacity_tokens / per_request), 1.0), self.max_num_seqs[idx])
+        p = self.params[idx]
+        s = o * i + o * (o + 1.0) / 2.0
+        total = (
+            p[:, 0] * b * i
+            + p[:, 1] * b
+            + p[:, 2] * i
+            + p[:, 3]
+            + p[:, 4] * b * s
+            + p[:, 5] * b * o
+            + p[:, 6] * s
+            + p[:, 7] * o
+        )
+        out: FloatArray = np.maximum(total, 0.0) / b
+        return out
+
+    def request_latency_s(
+        self,
+        idx: IntArray,
+        input_tokens: float,
+        output_tokens: float,
+        batch: FloatArray,
+        context_tokens: FloatArray,
+    ) -> FloatArray:
+        """Latency of one request joining a running batch: its prefill alone, then Õ decode steps.
+
+        ``batch`` is the number of sequences decoding together (r included) and ``context_tokens``
+        their mean KV length, both aligned with ``idx``:
+        ``T_prefill(1, I) + Õ · τ_decode(context + Õ/2, batch)`` (Eq. 3 and the per-step model).
+        """
+        p = self.params[idx]
+        i = float(max(input_tokens, 0))
+        o = float(max(output_tokens, 0))
+        b = np.minimum(np.maximum(batch, 1.0), self.max_num_seqs[idx])
+        kv_len = context_tokens + o / 2.0
+        prefill = p[:, 0] * i + p[:, 1] + p[:, 2] * i + p[:, 3]
+        step = p[:, 4] * b * kv_len + p[:, 5] * b + p[:, 6] * kv_len + p[:, 7]
+        out: FloatArray = np.maximum(prefill + o * step, 0.0)
+        return out
+
+    def saturated_throughput_tokens_s(
+        self, idx: IntArray, input_tokens: float, output_tokens: float, capacity_tokens: FloatArray
+    ) -> FloatArray:
+        """Token throughput (I + O per second) at the KV-saturating batch: (I + O) / T_r^s."""
+        t = self.amortised_request_s(idx, input_tokens, output_tokens, capacity_tokens)
+        tokens = max(1.0, float(input_tokens) + float(output_tokens))
+        out: FloatArray = tokens / np.maximum(t, 1e-12)
+        return out
+
+
+def describe_backend_models(
+    backends: Sequence[BackendSpec],
+    metrics: Sequence[EngineMetrics | None] | None = None,
+    prior: PriorFn | None = None,
+) -> tuple[str, ...]:
+    """One line per backend saying which latency and KV-capacity source the policies use.
+
+    ``metrics`` (the latest scrape per backend) lets the line say when the engine reports the
+    capacity. With ``prior=None`` the catalog's roofline prior is used when importable.
+    """
+    chosen_prior = prior if prior is not None else default_prior()
+    models = BackendModels(backends, chosen_prior, log_fallbacks=False)
+    lines = []
+    for i, (spec, model) in enumerate(zip(backends, models.models, strict=True)):
+        m = metrics[i] if metrics is not None and i < len(metrics) else None
+        if spec.profile is not None:
+            cap = f"{model.static_capacity_tokens:.0f} tokens from {model.capacity_source}"
+        elif m is not None and m.kv_capacity_tokens is not None:
+            cap = f"{m.kv_capacity_tokens} tokens from engine metrics"
+        elif math.isfinite(model.static_capacity_tokens):
+            cap = f"{model.static_capacity_tokens:.0f} tokens from {model.capacity_source}"
+        else:
+            cap = f"unknown: neutral default {models.neutral_capacity_tokens:.0f} tokens"
+        seqs = "" if math.isinf(model.max_num_seqs) else f"; max_num_seqs {model.max_num_seqs:.0f}"
+        lines.append(f"latency: {model.latency_source}; kv capacity: {cap}{seqs}")
+    return tuple(lines)

@@ -1,0 +1,40 @@
+"""``balanced_minmax``: the paper's min-max mapper, made to balance predicted finish times.
+
+Same mapper and the same release-exactly-once accounting as ``workload_minmax`` (method.md §5);
+what changes is the cost and a latency floor:
+
+    w_r^s   = T_r^s · exp(θ · max(kvusage_s − 1, 0))                       (θ default 0: w = T_r^s)
+    lat_r^s = T_prefill(1, I_r) + Õ_r · τ_decode(L̄_s + Õ_r/2, n_s + 1)       (latency floor)
+    c       = argmin_s max( max_{j≠s} L_j , max(L_s + w_r^s, lat_r^s) )
+              (ties: smallest max(L_s + w, lat), then seeded random); L_c += w_r^c
+
+Why. T_r^s, the amortised time of r at the backend's KV-saturating batch, is the time r adds to a
+*saturated* backend, so ``L_s`` (Σ in-flight w) is the backend's predicted drain time, and for a
+saturated FCFS backend ``L_s + w_r^s`` is r's predicted completion time (wait (N−B)·T̄ plus its own
+batch time B·T̄). Keeping these equal across backends balances finish times in proportion to each
+backend's real throughput (greedy min-makespan list scheduling on unrelated machines, which also sends
+each backend the requests it is relatively best at: short ones to KV-poor backends). Under light load
+``L_s + w`` underestimates latency, because a request on a lightly loaded backend runs at the speed of
+a small batch, not at 1/B of a full one; ``lat_r^s`` (Hetis-style: the prefill alone, then Õ decode
+steps next to the backend's n_s in-flight requests of mean context L̄_s) takes over there, so light
+load stays on the fastest backends instead of spilling onto weak ones (shorter tails, lower TTFT).
+The paper's ``exp(θ·kvusage)`` inflates a request's cost as soon as a backend holds *any* KV, which at
+high load turns the split from throughput-proportional into memory-proportional and leaves instances
+finishing at visibly different times; here the exponential, when θ > 0, only penalises work queued
+beyond the KV capacity. The benchmark (docs/policies.md) found θ = 0 best.
+
+Params: ``theta`` (default 0), ``latency_floor`` (default true), ``kv_signal``
+(``ledger``/``engine``/``max``), ``batch_kv`` (``full``/``average``), ``seed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from hetroute.policies.base import PolicyContext
+from hetroute.policies.workload_minmax import MinMaxPolicy, build_minmax
+
+
+def from_config(params: Mapping[str, object], ctx: PolicyContext) -> MinMaxPolicy:
+    """``balanced_minmax``: min-max of predicted finish time (drain time with a latency floor)."""
+    return build_minmax("balanced_minmax", params, ctx, theta=0.0, overflow_only=True, latency_floor=True)

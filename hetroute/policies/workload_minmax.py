@@ -1,0 +1,216 @@
+"""``workload_minmax``: the paper's scheduler ("OS", Xiong et al. Eq. 5-8, Algorithm 2, fixed).
+
+Per request r and candidate s (method.md §5):
+
+    b_r^s     = clip(floor(cap_s / (I_r + Õ_r)), 1, max_num_seqs_s)
+    T_r^s     = (T_prefill(b, I_r) + T_decode(b, I_r, Õ_r)) / b              (backend_model.py)
+    kvusage_s = Σ_{in flight on s} (I + generated + remaining Õ) / cap_s    (may exceed 1)
+    w_r^s     = T_r^s · exp(θ · kvusage_s)
+    c         = argmin_s max( max_{j≠s} L_j , L_s + w_r^s )
+
+``L_j = snapshot.workload[j]`` over **all** backends (not only candidates); the minimum starts at
++∞ (the paper's pseudo-code starts at 0); ties go to the smallest ``L_s + w_r^s``, then to a seeded
+random choice. The decision's ``workload_cost`` is ``w_r^c``: the router adds it to ``L_c`` and the
+ledger removes it exactly once when the request ends, whatever the outcome; the ledger also carries
+``I + Õ`` as running tokens and replaces predicted tokens with generated ones as they stream
+(closing the loop). The exponent is capped at ``MAX_EXPONENT`` so a load can never become ∞.
+
+The KV signal (``kv_signal``): ``ledger`` (default, the estimate above), ``engine`` (the engine's
+``kv_usage_frac`` plus ``num_requests_waiting`` × the ledger's mean tokens per request / cap), or
+``max`` (the larger of the two). ``engine``/``max`` need the metric on *every* candidate; if any
+candidate lacks it, all candidates use the ledger estimate (same signal for all).
+
+Params: ``theta`` (θ ≥ 0, default 2, the paper's value), ``kv_signal``, ``batch_kv`` (``full``:
+b from I + Õ as the paper; ``average``: from I + Õ/2, the mean footprint under continuous batching),
+``latency_floor`` (default false; the latency floor of ``balanced_minmax``), ``seed``.
+``memory_minmax`` (T ≡ 1) and ``balanced_minmax`` reuse :class:`MinMaxPolicy`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from typing import Literal, cast
+
+import numpy as np
+
+from hetroute.errors import ConfigError
+from hetroute.policies.backend_model import BackendModels
+from hetroute.policies.base import PARAMS_PATH, PolicyContext, check_known, read_float, read_int
+from hetroute.types import ClusterSnapshot, FloatArray, IntArray, RequestFeatures, RoutingDecision
+
+KvSignal = Literal["ledger", "engine", "max"]
+BatchKv = Literal["full", "average"]
+KV_SIGNALS: tuple[KvSignal, ...] = ("ledger", "engine", "max")
+BATCH_KV: tuple[BatchKv, ...] = ("full", "average")
+MAX_EXPONENT = 30.0
+"""Cap on θ·kvusage: e^30 ≈ 1e13 keeps loads finite and releases exact enough in float64."""
+
+
+def read_choice(params: Mapping[str, object], key: str, default: str, choices: tuple[str, ...]) -> str:
+    """A string parameter restricted to ``choices``."""
+    value = params.get(key, default)
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"{PARAMS_PATH}.{key}", f"expected one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def read_bool(params: Mapping[str, object], key: str, default: bool) -> bool:
+    """A boolean parameter."""
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{PARAMS_PATH}.{key}", f"expected true or false, got {value!r}")
+    return value
+
+
+def kv_usage(snapshot: ClusterSnapshot, idx: IntArray, cap: FloatArray, signal: KvSignal) -> FloatArray:
+    """kvusage_s for backends ``idx`` from the chosen signal (ledger fallback for all, see module doc)."""
+    ledger: FloatArray = snapshot.kv_tokens_in_flight[idx] / cap
+    if signal == "ledger":
+        return ledger
+    fracs: list[float] = []
+    waiting: list[float] = []
+    has_waiting = True
+    for i in idx:
+        m = snapshot.metrics[int(i)]
+        if m is None or m.kv_usage_frac is None:
+            return ledger
+        fracs.append(m.kv_usage_frac)
+        if m.num_requests_waiting is None:
+            has_waiting = False
+        else:
+            waiting.append(m.num_requests_waiting)
+    engine: FloatArray = np.array(fracs, dtype=np.float64)
+    if has_waiting:
+        n = np.maximum(snapshot.requests_in_flight[idx], 1)
+        per_request = snapshot.kv_tokens_in_flight[idx] / n
+        engine = engine + np.array(waiting, dtype=np.float64) * per_request / cap
+    if signal == "engine":
+        return engine
+    out: FloatArray = np.maximum(engine, ledger)
+    return out
+
+
+class MinMaxPolicy:
+    """The min-max mapper over w = T · exp(θ · g(kvusage)); see the module docstring."""
+
+    def __init__(
+        self,
+        name: str,
+        models: BackendModels,
+        rng: random.Random,
+        *,
+        theta: float = 2.0,
+        unit_time: bool = False,
+        kv_signal: KvSignal = "ledger",
+        batch_kv: BatchKv = "full",
+        overflow_only: bool = False,
+        latency_floor: bool = False,
+    ) -> None:
+        self.name = name
+        self.latency_floor = latency_floor
+        self.models = models
+        self.theta = theta
+        self.unit_time = unit_time
+        self.kv_signal = kv_signal
+        self.batch_kv = batch_kv
+        self.overflow_only = overflow_only
+        self._rng = rng
+
+    def costs(
+        self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray
+    ) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """(T_r^s, kvusage_s, w_r^s) for every candidate."""
+        cap = self.models.capacity_tokens(snapshot, candidates)
+        i = float(features.input_tokens)
+        o = float(features.predicted_output_tokens)
+        if self.unit_time:
+            t: FloatArray = np.ones(len(candidates), dtype=np.float64)
+        else:
+            batch_cap = cap if self.batch_kv == "full" else cap * (i + o) / max(1.0, i + o / 2.0)
+            t = self.models.amortised_request_s(candidates, i, o, batch_cap)
+        u = kv_usage(snapshot, candidates, cap, self.kv_signal)
+        g = np.maximum(u - 1.0, 0.0) if self.overflow_only else u
+        w: FloatArray = t * np.exp(np.minimum(self.theta * g, MAX_EXPONENT))
+        return t, u, w
+
+    def latency(
+        self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray
+    ) -> FloatArray:
+        """Predicted latency of r if it starts now on each candidate, next to its in-flight requests."""
+        n = snapshot.requests_in_flight[candidates].astype(np.float64)
+        context = (
+            snapshot.input_tokens_in_flight[candidates] + snapshot.generated_tokens_in_flight[candidates]
+        )
+        mean_context = (context + features.input_tokens) / (n + 1.0)
+        return self.models.request_latency_s(
+            candidates, features.input_tokens, features.predicted_output_tokens, n + 1.0, mean_context
+        )
+
+    def choose(
+        self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray
+    ) -> RoutingDecision:
+        t, u, w = self.costs(features, snapshot, candidates)
+        loads = snapshot.workload
+        own = loads[candidates] + w
+        if self.latency_floor:
+            own = np.maximum(own, self.latency(features, snapshot, candidates))
+        if loads.size >= 2:
+            top = int(np.argmax(loads))
+            second, first = (float(v) for v in np.partition(loads, loads.size - 2)[-2:])
+            others: FloatArray = np.where(candidates == top, second, first)
+            score: FloatArray = np.maximum(others, own)
+        else:
+            score = own
+        best = float(score.min())
+        tied = np.flatnonzero(score <= best + 1e-12 * max(1.0, abs(best)))
+        if tied.size > 1:
+            own_tied = own[tied]
+            tied = tied[own_tied <= float(own_tied.min()) + 1e-12 * max(1.0, abs(float(own_tied.min())))]
+        k = int(tied[self._rng.randrange(tied.size)]) if tied.size > 1 else int(tied[0])
+        index = int(candidates[k])
+        cost = float(w[k])
+        if not math.isfinite(cost):  # pragma: no cover - guarded by MAX_EXPONENT; never charge ∞
+            cost = float(np.finfo(np.float64).max) / 4
+        return RoutingDecision(
+            index=index,
+            reason=f"min-max load {best:.4g}: T={t[k]:.4g}s kvusage={u[k]:.3f} w={cost:.4g}",
+            workload_cost=cost,
+            scores={"minmax_load": best, "T_s": float(t[k]), "kv_usage": float(u[k]), "w": cost},
+        )
+
+
+def build_minmax(
+    name: str,
+    params: Mapping[str, object],
+    ctx: PolicyContext,
+    *,
+    theta: float,
+    unit_time: bool = False,
+    kv_signal: KvSignal = "ledger",
+    batch_kv: BatchKv = "full",
+    overflow_only: bool = False,
+    latency_floor: bool = False,
+) -> MinMaxPolicy:
+    """Validate ``params`` (overriding the given defaults) and build a :class:`MinMaxPolicy`."""
+    allowed = ("theta", "kv_signal", "seed") + (() if unit_time else ("batch_kv", "latency_floor"))
+    check_known(params, allowed, name)
+    signal = read_choice(params, "kv_signal", kv_signal, KV_SIGNALS)
+    batch = read_choice(params, "batch_kv", batch_kv, BATCH_KV)
+    return MinMaxPolicy(
+        name,
+        BackendModels.from_specs(ctx.backends),
+        random.Random(read_int(params, "seed", ctx.seed)),
+        theta=read_float(params, "theta", theta, minimum=0.0, maximum=100.0),
+        unit_time=unit_time,
+        kv_signal=cast(KvSignal, signal),
+        batch_kv=cast(BatchKv, batch),
+        overflow_only=overflow_only,
+        latency_floor=read_bool(params, "latency_floor", latency_floor),
+    )
+
+
+def from_config(params: Mapping[str, object], ctx: PolicyContext) -> MinMaxPolicy:
+    """``workload_minmax``: the paper's formula, θ default 2."""
+    return build_minmax("workload_minmax", params, ctx, theta=2.0)
