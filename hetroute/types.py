@@ -110,6 +110,7 @@ class ClusterSnapshot:
     - ``input_tokens_in_flight[i]``: Σ I_r of those requests.
     - ``remaining_predicted_tokens[i]``: Σ max(Õ_r − generated_r, 0).
     - ``generated_tokens_in_flight[i]``: Σ tokens generated so far (observed while streaming).
+    - ``predicted_output_tokens_in_flight[i]``: Σ Õ_r as predicted at dispatch.
     - ``workload[i]``: L_i, the sum of the policy costs (``RoutingDecision.workload_cost``)
       of in-flight requests (method.md §5).
     - ``available[i]``: healthy and not ejected.
@@ -126,6 +127,7 @@ class ClusterSnapshot:
     input_tokens_in_flight: FloatArray
     remaining_predicted_tokens: FloatArray
     generated_tokens_in_flight: FloatArray
+    predicted_output_tokens_in_flight: FloatArray
     workload: FloatArray
     available: BoolArray
     kv_capacity_tokens: FloatArray

@@ -15,7 +15,8 @@ ledger removes it exactly once when the request ends, whatever the outcome; the 
 ``I + Õ`` as running tokens and replaces predicted tokens with generated ones as they stream
 (closing the loop). The exponent is capped at ``MAX_EXPONENT`` so a load can never become ∞.
 
-The KV signal (``kv_signal``): ``ledger`` (default, the estimate above), ``engine`` (the engine's
+The KV signal (``kv_signal``): ``ledger`` (default, the estimate above), ``paper`` (the paper's
+open-loop Σ (I + Õ) / cap with Õ as predicted at dispatch, never corrected), ``engine`` (the engine's
 ``kv_usage_frac`` plus ``num_requests_waiting`` × the ledger's mean tokens per request / cap), or
 ``max`` (the larger of the two). ``engine``/``max`` need the metric on *every* candidate; if any
 candidate lacks it, all candidates use the ledger estimate (same signal for all).
@@ -40,9 +41,9 @@ from hetroute.policies.backend_model import BackendModels
 from hetroute.policies.base import PARAMS_PATH, PolicyContext, check_known, read_float, read_int
 from hetroute.types import ClusterSnapshot, FloatArray, IntArray, RequestFeatures, RoutingDecision
 
-KvSignal = Literal["ledger", "engine", "max"]
+KvSignal = Literal["ledger", "paper", "engine", "max"]
 BatchKv = Literal["full", "average"]
-KV_SIGNALS: tuple[KvSignal, ...] = ("ledger", "engine", "max")
+KV_SIGNALS: tuple[KvSignal, ...] = ("ledger", "paper", "engine", "max")
 BATCH_KV: tuple[BatchKv, ...] = ("full", "average")
 MAX_EXPONENT = 30.0
 """Cap on θ·kvusage: e^30 ≈ 1e13 keeps loads finite and releases exact enough in float64."""
@@ -66,6 +67,11 @@ def read_bool(params: Mapping[str, object], key: str, default: bool) -> bool:
 
 def kv_usage(snapshot: ClusterSnapshot, idx: IntArray, cap: FloatArray, signal: KvSignal) -> FloatArray:
     """kvusage_s for backends ``idx`` from the chosen signal (ledger fallback for all, see module doc)."""
+    if signal == "paper":
+        paper: FloatArray = (
+            snapshot.input_tokens_in_flight[idx] + snapshot.predicted_output_tokens_in_flight[idx]
+        ) / cap
+        return paper
     ledger: FloatArray = snapshot.kv_tokens_in_flight[idx] / cap
     if signal == "ledger":
         return ledger

@@ -6,6 +6,8 @@ Per backend it keeps, in numpy arrays indexed like the router's backends:
 - ``input_tokens_in_flight``: Σ I_r;
 - ``remaining_predicted_tokens``: Σ max(Õ_r − generated_r, 0) (closing the loop, method.md §5);
 - ``generated_tokens_in_flight``: Σ tokens generated so far;
+- ``predicted_output_tokens_in_flight``: Σ Õ_r as predicted at dispatch (the paper's kvusage
+  numerator is Σ (I_r + Õ_r), method.md §5);
 - ``workload``: L_s, Σ of the policy costs w_r^s of in-flight requests (method.md §5).
 
 Invariant: every :meth:`Ledger.dispatch` is undone by exactly one effective
@@ -53,6 +55,7 @@ class Ledger:
         self.input_tokens_in_flight: FloatArray = np.zeros(n, dtype=np.float64)
         self.remaining_predicted_tokens: FloatArray = np.zeros(n, dtype=np.float64)
         self.generated_tokens_in_flight: FloatArray = np.zeros(n, dtype=np.float64)
+        self.predicted_output_tokens_in_flight: FloatArray = np.zeros(n, dtype=np.float64)
         self.workload: FloatArray = np.zeros(n, dtype=np.float64)
         self.dispatched_total: IntArray = np.zeros(n, dtype=np.int64)
         self.released_total: IntArray = np.zeros(n, dtype=np.int64)
@@ -75,6 +78,7 @@ class Ledger:
         self.requests_in_flight[i] += 1
         self.input_tokens_in_flight[i] += input_tokens
         self.remaining_predicted_tokens[i] += predicted_output_tokens
+        self.predicted_output_tokens_in_flight[i] += predicted_output_tokens
         self.workload[i] += workload_cost
         self.dispatched_total[i] += 1
         self._in_flight += 1
@@ -120,6 +124,7 @@ class Ledger:
         self.input_tokens_in_flight[i] -= ticket.input_tokens
         self.remaining_predicted_tokens[i] -= max(ticket.predicted_output_tokens - ticket.generated_tokens, 0)
         self.generated_tokens_in_flight[i] -= ticket.generated_tokens
+        self.predicted_output_tokens_in_flight[i] -= ticket.predicted_output_tokens
         self.workload[i] -= ticket.workload_cost
         self.released_total[i] += 1
         self._in_flight -= 1
@@ -140,6 +145,7 @@ class Ledger:
             "input_tokens_in_flight": float(self.input_tokens_in_flight[index]),
             "remaining_predicted_tokens": float(self.remaining_predicted_tokens[index]),
             "generated_tokens_in_flight": float(self.generated_tokens_in_flight[index]),
+            "predicted_output_tokens_in_flight": float(self.predicted_output_tokens_in_flight[index]),
             "workload": float(self.workload[index]),
             "dispatched_total": int(self.dispatched_total[index]),
             "released_total": int(self.released_total[index]),
@@ -153,6 +159,7 @@ class Ledger:
             and not self.input_tokens_in_flight.any()
             and not self.remaining_predicted_tokens.any()
             and not self.generated_tokens_in_flight.any()
+            and not self.predicted_output_tokens_in_flight.any()
             and not self.workload.any()
             and bool((self.dispatched_total == self.released_total).all())
         )

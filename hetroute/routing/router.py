@@ -81,15 +81,20 @@ class Router:
         self._on_decision = on_decision
         self._timer = timer
         self._serving: dict[tuple[str, Api], tuple[int, ...]] = {}
-        static_caps = [
-            float(b.profile.kv_capacity_tokens)
-            if b.profile is not None
-            else float(b.kv_capacity_tokens)
-            if b.kv_capacity_tokens is not None
-            else math.nan
-            for b in self.backends
-        ]
-        self._static_caps: FloatArray = np.array(static_caps, dtype=np.float64)
+        self._profile_caps: FloatArray = np.array(
+            [
+                float(b.profile.kv_capacity_tokens) if b.profile is not None else math.nan
+                for b in self.backends
+            ],
+            dtype=np.float64,
+        )
+        self._config_caps: FloatArray = np.array(
+            [
+                float(b.kv_capacity_tokens) if b.kv_capacity_tokens is not None else math.nan
+                for b in self.backends
+            ],
+            dtype=np.float64,
+        )
 
     def serving(self, model: str, api: Api) -> tuple[int, ...]:
         """Indices of the backends that serve ``model`` through ``api`` (cached)."""
@@ -113,10 +118,14 @@ class Router:
         """An immutable copy of the cluster state now (ledger, health, engine metrics)."""
         n = len(self.backends)
         metrics = tuple(self._latest_metrics(i) for i in range(n))
-        caps = self._static_caps.copy()
+        # KV capacity: the profile, then the engine's own report, then the config (types.py).
+        caps = self._profile_caps.copy()
         for i, m in enumerate(metrics):
-            if math.isnan(caps[i]) and m is not None and m.kv_capacity_tokens is not None:
-                caps[i] = float(m.kv_capacity_tokens)
+            if math.isnan(caps[i]):
+                if m is not None and m.kv_capacity_tokens is not None:
+                    caps[i] = float(m.kv_capacity_tokens)
+                else:
+                    caps[i] = self._config_caps[i]
         led = self.ledger
         return ClusterSnapshot(
             now_s=self.clock.now(),
@@ -126,6 +135,7 @@ class Router:
             input_tokens_in_flight=_readonly(led.input_tokens_in_flight.copy()),
             remaining_predicted_tokens=_readonly(led.remaining_predicted_tokens.copy()),
             generated_tokens_in_flight=_readonly(led.generated_tokens_in_flight.copy()),
+            predicted_output_tokens_in_flight=_readonly(led.predicted_output_tokens_in_flight.copy()),
             workload=_readonly(led.workload.copy()),
             available=_readonly(np.array([self._is_available(i) for i in range(n)], dtype=np.bool_)),
             kv_capacity_tokens=_readonly(caps),

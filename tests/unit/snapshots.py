@@ -37,6 +37,7 @@ def snapshot(
         input_tokens_in_flight=arr(input_tokens, np.float64),
         remaining_predicted_tokens=arr(None, np.float64),
         generated_tokens_in_flight=arr(None, np.float64),
+        predicted_output_tokens_in_flight=arr(None, np.float64),
         workload=arr(workload, np.float64),
         available=np.ones(n, dtype=np.bool_),
         kv_capacity_tokens=np.array(

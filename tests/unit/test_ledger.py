@@ -78,3 +78,19 @@ def test_random_interleaving_returns_exactly_to_zero() -> None:
     for t in live:
         led.release(t, 1e9)
     assert led.is_zero()
+
+
+def test_predicted_outputs_stay_as_dispatched_until_release() -> None:
+    led = Ledger(["a"])
+    t = led.dispatch(
+        request_id="1",
+        backend_index=0,
+        input_tokens=10,
+        predicted_output_tokens=5,
+        workload_cost=0.0,
+        now_s=0.0,
+    )
+    led.observe_generated(t, 9)
+    assert led.backend_load(0)["predicted_output_tokens_in_flight"] == 5  # open loop: never corrected
+    led.release(t, 1.0)
+    assert led.backend_load(0)["predicted_output_tokens_in_flight"] == 0 and led.is_zero()

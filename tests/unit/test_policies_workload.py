@@ -65,6 +65,7 @@ def snap(
         input_tokens_in_flight=np.array(kv_tokens if kv_tokens is not None else zeros, dtype=np.float64),
         remaining_predicted_tokens=zeros.copy(),
         generated_tokens_in_flight=zeros.copy(),
+        predicted_output_tokens_in_flight=zeros.copy(),
         workload=np.array(workload if workload is not None else zeros, dtype=np.float64),
         available=np.ones(n, dtype=np.bool_),
         kv_capacity_tokens=np.array(caps, dtype=np.float64),
@@ -359,3 +360,24 @@ def test_config_errors_name_the_field(name: str, params: dict[str, object], path
 def test_new_policies_are_registered() -> None:
     new = {"workload_minmax", "memory_minmax", "single", "capacity_weighted", "balanced_minmax"}
     assert new <= set(POLICIES)
+
+
+def test_paper_kv_signal_uses_dispatch_time_predictions() -> None:
+    import numpy as np
+
+    from hetroute.policies.workload_minmax import kv_usage
+    from tests.unit.snapshots import snapshot, spec
+
+    bs = (spec("a"), spec("b"))
+    snap = snapshot(bs, input_tokens=[100, 300], kv_capacity=[1000, 1000])
+    snap = type(snap)(
+        **{
+            **{f: getattr(snap, f) for f in snap.__dataclass_fields__},
+            "predicted_output_tokens_in_flight": np.array([400.0, 0.0]),
+            "generated_tokens_in_flight": np.array([900.0, 0.0]),
+        }
+    )
+    idx = np.array([0, 1])
+    cap = np.array([1000.0, 1000.0])
+    assert list(kv_usage(snap, idx, cap, "paper")) == [0.5, 0.3]
+    assert list(kv_usage(snap, idx, cap, "ledger")) == [1.0, 0.3]
