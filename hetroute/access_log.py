@@ -1,0 +1,74 @@
+"""One structured (JSON) access-log line per client request.
+
+Owns the record's field set and its serialisation; the destination is a line sink (``hetroute
+serve``: buffered stdout) or, by default, the ``hetroute.access`` logger.
+Fields: request_id, api, path, model, backend, status, attempts, stream, ttft_s, itl_s (mean
+gap between stream events), duration_s,
+prompt_tokens, completion_tokens, policy, reason, error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+ACCESS_LOGGER = "hetroute.access"
+
+
+@dataclass(slots=True)
+class AccessRecord:
+    request_id: str
+    api: str
+    path: str
+    model: str | None = None
+    backend: str | None = None
+    status: int = 0
+    attempts: int = 0
+    stream: bool = False
+    ttft_s: float | None = None
+    itl_s: float | None = None
+    duration_s: float = 0.0
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    policy: str | None = None
+    reason: str | None = None
+    error: str | None = None
+
+
+_FIELDS = tuple(f.name for f in fields(AccessRecord))
+
+
+LineSink = Callable[[str], object]
+"""Where finished lines go: ``stream.write`` of a buffered stream, or a logger method."""
+
+
+class AccessLog:
+    """Serialises :class:`AccessRecord` to one JSON line and hands it to a sink.
+
+    ``hetroute serve`` passes a buffered stdout writer (flushed periodically by the serve
+    command): the ``logging`` machinery costs tens of µs per line, a large share of the
+    router's per-request budget. Without a sink, lines go to the ``hetroute.access`` logger
+    at INFO. Disabled means no work at all.
+    """
+
+    def __init__(self, sink: LineSink | None = None, *, enabled: bool = True) -> None:
+        self._logger = logging.getLogger(ACCESS_LOGGER)
+        self._sink = sink
+        self.enabled = enabled
+
+    def write(self, record: AccessRecord) -> None:
+        if not self.enabled:
+            return
+        if self._sink is None and not self._logger.isEnabledFor(logging.INFO):
+            return
+        data = {name: getattr(record, name) for name in _FIELDS}  # dataclasses.asdict is ~10x slower
+        for key in ("ttft_s", "itl_s", "duration_s"):
+            if data[key] is not None:
+                data[key] = round(data[key], 6)
+        line = json.dumps(data, separators=(",", ":"))
+        if self._sink is not None:
+            self._sink(line + "\n")
+        else:
+            self._logger.info(line)

@@ -1,0 +1,197 @@
+"""The composition root of the gateway: ``build_app(cfg, ...) -> web.Application``.
+
+Owns the wiring (house style §1, §8): it builds the policy, predictor, ledger, router,
+health tracker, metrics store, telemetry and forwarder from a resolved :class:`Config`
+and exposes them through typed ``web.AppKey``s. Nothing runs at import time and there
+are no globals: every call builds a fresh, independent app.
+
+Lifecycle (``cleanup_ctx``, reverse order on shutdown): one pooled ``ClientSession`` for
+the app's lifetime (plus a never-pooled one for stale-socket retries), then the background
+tasks (active probes, one scraper per backend), which are cancelled and awaited before the
+sessions close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from hetroute.access_log import AccessLog, LineSink
+from hetroute.backends.health import HealthTracker, probe_loop
+from hetroute.backends.scrape import MetricsStore, scrape_loop
+from hetroute.clock import MonotonicClock
+from hetroute.config import ComponentConfig, Config
+from hetroute.policies import PolicyContext, build_policy
+from hetroute.proxy.forward import Forwarder, ForwardSettings
+from hetroute.proxy.protocols import TokenEstimator
+from hetroute.proxy.server import Gateway, add_routes
+from hetroute.routing.ledger import Ledger
+from hetroute.routing.router import Router
+from hetroute.telemetry import Telemetry
+from hetroute.types import BackendSpec, Clock, OutputLengthPredictor
+from predictors import DEFAULT_PREDICTOR, build_predictor
+
+CONFIG = web.AppKey("config", Config)
+ROUTER = web.AppKey("router", Router)
+LEDGER = web.AppKey("ledger", Ledger)
+HEALTH = web.AppKey("health", HealthTracker)
+METRICS = web.AppKey("metrics", MetricsStore)
+TELEMETRY = web.AppKey("telemetry", Telemetry)
+FORWARDER = web.AppKey("forwarder", Forwarder)
+PREDICTOR = web.AppKey("predictor", OutputLengthPredictor)
+ESTIMATOR = web.AppKey("estimator", TokenEstimator)
+
+
+def tgi_model_of(cfg: Config, specs: tuple[BackendSpec, ...]) -> str | None:
+    """The model TGI requests (which carry no model) are routed as: ``default_model`` when a
+    TGI backend serves it, else the first model of the first TGI backend."""
+    tgi = [s for s in specs if s.engine == "tgi"]
+    if not tgi:
+        return None
+    if cfg.default_model is not None and any(cfg.default_model in s.models for s in tgi):
+        return cfg.default_model
+    return tgi[0].models[0]
+
+
+def build_app(
+    cfg: Config,
+    *,
+    clock: Clock | None = None,
+    seed: int | None = None,
+    registry: CollectorRegistry | None = None,
+    access_sink: LineSink | None = None,
+) -> web.Application:
+    """A ready-to-run gateway for ``cfg`` (whose backends must be resolved by discovery).
+
+    ``access_sink`` receives each access-log line (default: the ``hetroute.access`` logger).
+    """
+    clock = clock or MonotonicClock()
+    seed = cfg.seed if seed is None else seed
+    registry = registry if registry is not None else CollectorRegistry()
+    specs = cfg.specs()
+    names = [s.name for s in specs]
+
+    policy = build_policy(cfg.policy.type, cfg.policy.params, PolicyContext(specs, seed))
+    pred_cfg = cfg.predictor or ComponentConfig(DEFAULT_PREDICTOR)
+    predictor = build_predictor(pred_cfg.type, pred_cfg.params, seed)
+    telemetry = Telemetry(registry)
+    health = HealthTracker(
+        cfg.health, names, clock, on_eject=lambda i: telemetry.ejections.labels(names[i]).inc()
+    )
+    metrics = MetricsStore(len(specs), clock, cfg.scrape.stale_after_s)
+    ledger = Ledger(names)
+    router = Router(
+        specs,
+        policy,
+        ledger,
+        clock,
+        is_available=health.is_available,
+        latest_metrics=metrics.latest,
+        on_decision=telemetry.on_decision,
+    )
+    telemetry.bind_backends(
+        names, health.is_available, metrics.age_s, lambda i: int(ledger.requests_in_flight[i])
+    )
+    estimator = TokenEstimator(cfg.tokens.initial_chars_per_token, cfg.tokens.learn_rate)
+    t = cfg.timeouts
+    forwarder = Forwarder(
+        router=router,
+        health=health,
+        telemetry=telemetry,
+        access_log=AccessLog(access_sink, enabled=cfg.server.access_log),
+        estimator=estimator,
+        predictor=predictor,
+        clock=clock,
+        settings=ForwardSettings(t.connect_s, t.first_byte_s, t.idle_s, cfg.retries.max_attempts),
+        id_prefix=f"{random.Random(seed).getrandbits(32):08x}",
+    )
+    gateway = Gateway(
+        forwarder=forwarder,
+        router=router,
+        health=health,
+        metrics=metrics,
+        telemetry=telemetry,
+        max_body_bytes=cfg.server.max_body_bytes,
+        admin_token=cfg.admin_token,
+        tgi_model=tgi_model_of(cfg, specs),
+        info_timeout_s=t.discovery_s,
+    )
+
+    app = web.Application(client_max_size=cfg.server.max_body_bytes)
+    app[CONFIG] = cfg
+    app[ROUTER] = router
+    app[LEDGER] = ledger
+    app[HEALTH] = health
+    app[METRICS] = metrics
+    app[TELEMETRY] = telemetry
+    app[FORWARDER] = forwarder
+    app[PREDICTOR] = predictor
+    app[ESTIMATOR] = estimator
+    app.cleanup_ctx.append(_client_session)
+    app.cleanup_ctx.append(_background_tasks)
+    add_routes(app, gateway)
+    return app
+
+
+async def _client_session(app: web.Application) -> AsyncIterator[None]:
+    t = app[CONFIG].timeouts
+    # First-byte and idle deadlines are enforced per request by the forwarder; the session
+    # bounds connection set-up. Unlimited pool: concurrency is the router's business.
+    timeout = aiohttp.ClientTimeout(total=None, connect=t.connect_s, sock_connect=t.connect_s)
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, enable_cleanup_closed=False)
+    session = aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
+    # For the one retry after a pooled socket turned out stale: never pooled, always new.
+    fresh = aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(force_close=True, limit=0), auto_decompress=False
+    )
+    forwarder = app[FORWARDER]
+    forwarder.session, forwarder.fresh_session = session, fresh
+    yield
+    forwarder.session = forwarder.fresh_session = None
+    await session.close()
+    await fresh.close()
+
+
+async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG]
+    session = app[FORWARDER].session
+    assert session is not None
+    router = app[ROUTER]
+    tasks = [asyncio.create_task(probe_loop(app[HEALTH], session, [b.url for b in router.backends]))]
+    if cfg.scrape.enabled:
+        tasks += [
+            asyncio.create_task(scrape_loop(app[METRICS], session, router.backends, i, cfg.scrape))
+            for i in range(len(router.backends))
+        ]
+    yield
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    """The runner every entry point uses: handlers are cancelled when their client goes away
+    (so the upstream request is aborted at once) and shutdown waits for in-flight streams."""
+    return web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=app[CONFIG].server.shutdown_grace_s,
+    )
+
+
+async def start_app(
+    app: web.Application, host: str = "127.0.0.1", port: int = 0
+) -> tuple[web.AppRunner, int]:
+    """Start ``app`` on ``host:port`` (0: any free port); returns the runner and the bound port."""
+    runner = make_runner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    return runner, int(bound)

@@ -1,0 +1,89 @@
+"""Start-up discovery of a backend's engine kind and served models.
+
+TGI answers ``GET /info`` (``model_id``, ``max_total_tokens``, ...); vLLM and other
+OpenAI-compatible servers answer ``GET /v1/models`` (vLLM marks its models
+``owned_by: "vllm"``). Only fields the config leaves empty are filled; a backend that
+cannot be discovered is a start-up error naming its field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+
+from hetroute.config import BackendConfig, Config
+from hetroute.errors import ConfigError
+from hetroute.types import EngineKind
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str, timeout_s: float) -> Any:
+    async with asyncio.timeout(timeout_s), session.get(url) as resp:
+        if resp.status != 200:
+            return None
+        try:
+            return await resp.json(content_type=None)
+        except ValueError:
+            return None
+
+
+async def _tgi_info(session: aiohttp.ClientSession, base: str, timeout_s: float) -> str | None:
+    info = await _get_json(session, base + "/info", timeout_s)
+    if isinstance(info, dict) and isinstance(info.get("model_id"), str) and info["model_id"]:
+        return str(info["model_id"])
+    return None
+
+
+async def _openai_models(
+    session: aiohttp.ClientSession, base: str, timeout_s: float
+) -> tuple[tuple[str, ...], EngineKind] | None:
+    listing = await _get_json(session, base + "/v1/models", timeout_s)
+    data = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(data, list):
+        return None
+    ids = tuple(str(m["id"]) for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
+    if not ids:
+        return None
+    owners = {m.get("owned_by") for m in data if isinstance(m, dict)}
+    return ids, ("vllm" if "vllm" in owners else "openai")
+
+
+async def discover_backend(
+    session: aiohttp.ClientSession, backend: BackendConfig, index: int, timeout_s: float
+) -> BackendConfig:
+    """``backend`` with ``engine`` and ``models`` filled from the running server."""
+    if backend.resolved:
+        return backend
+    path = f"backends[{index}]"
+    try:
+        if backend.engine in (None, "tgi"):
+            model_id = await _tgi_info(session, backend.url, timeout_s)
+            if model_id is not None:
+                return replace(backend, engine="tgi", models=backend.models or (model_id,))
+        if backend.engine != "tgi":
+            found = await _openai_models(session, backend.url, timeout_s)
+            if found is not None:
+                ids, kind = found
+                return replace(backend, engine=backend.engine or kind, models=backend.models or ids)
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        raise ConfigError(f"{path}.url", f"cannot reach {backend.url} for discovery: {exc}") from exc
+    field = "models" if backend.engine is not None else "engine"
+    raise ConfigError(
+        f"{path}.{field}", f"{backend.url} answers neither TGI /info nor /v1/models; set it in the config"
+    )
+
+
+async def discover(config: Config, session: aiohttp.ClientSession | None = None) -> Config:
+    """Resolve every backend of ``config`` concurrently (a private session if none is given)."""
+    if all(b.resolved for b in config.backends):
+        return config
+    if session is None:
+        async with aiohttp.ClientSession() as own:
+            return await discover(config, own)
+    timeout_s = config.timeouts.discovery_s
+    resolved = await asyncio.gather(
+        *(discover_backend(session, b, i, timeout_s) for i, b in enumerate(config.backends))
+    )
+    return config.with_backends(resolved)

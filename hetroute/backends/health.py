@@ -1,0 +1,182 @@
+"""Backend health: active ``/health`` probes plus Envoy-style passive outlier ejection.
+
+Owns one :class:`BackendHealth` record per backend and the probe task. A backend is
+*available* when its active probe state is healthy and it is not ejected.
+
+Outlier detection (Envoy ``outlier.rst`` semantics):
+- ``consecutive_failures`` upstream failures in a row (5xx, connection refused/reset,
+  timeouts; 429 is back-pressure, not a failure) eject the backend for
+  ``min(base_ejection_s × times_ejected, max_ejection_s)``;
+- no ejection happens if it would put more than ``max_ejection_percent`` of the backends
+  in ejection at once;
+- the multiplier decays by one for every ``base_ejection_s`` the backend then stays healthy;
+- a successful active probe un-ejects at once and clears the failure counter.
+
+Time comes from the injected clock, so the state machine is tested with a ManualClock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+from hetroute.config import HealthConfig
+from hetroute.types import Clock
+
+
+@dataclass(slots=True)
+class BackendHealth:
+    """Mutable health state of one backend (owned by :class:`HealthTracker`)."""
+
+    probe_healthy: bool = True
+    probe_failures: int = 0
+    probe_successes: int = 0
+    consecutive_failures: int = 0
+    times_ejected: int = 0
+    ejected_until_s: float | None = None
+    healthy_since_s: float = 0.0
+    ejections_total: int = 0
+    last_probe_at_s: float | None = None
+    last_error: str | None = None
+
+
+class HealthTracker:
+    """Availability per backend from active probes and passive outlier ejection."""
+
+    def __init__(
+        self,
+        config: HealthConfig,
+        names: Sequence[str],
+        clock: Clock,
+        *,
+        on_eject: Callable[[int], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.names = tuple(names)
+        self.clock = clock
+        self._on_eject = on_eject
+        now = clock.now()
+        self.states = [BackendHealth(healthy_since_s=now) for _ in names]
+
+    def is_ejected(self, i: int, now_s: float | None = None) -> bool:
+        until = self.states[i].ejected_until_s
+        if until is None:
+            return False
+        now = self.clock.now() if now_s is None else now_s
+        if now < until:
+            return True
+        self._end_ejection(self.states[i], until)
+        return False
+
+    def is_available(self, i: int) -> bool:
+        return self.states[i].probe_healthy and not self.is_ejected(i)
+
+    def available_count(self) -> int:
+        return sum(1 for i in range(len(self.states)) if self.is_available(i))
+
+    def _end_ejection(self, h: BackendHealth, at_s: float) -> None:
+        h.ejected_until_s = None
+        h.consecutive_failures = 0
+        h.healthy_since_s = at_s
+
+    def _decay(self, h: BackendHealth, now: float) -> None:
+        base = self.config.base_ejection_s
+        while h.times_ejected > 0 and now - h.healthy_since_s >= base:
+            h.times_ejected -= 1
+            h.healthy_since_s += base
+
+    def record_success(self, i: int) -> None:
+        """A response that is not an upstream failure (any status below 500 except 429)."""
+        h = self.states[i]
+        h.consecutive_failures = 0
+        now = self.clock.now()
+        if not self.is_ejected(i, now):
+            self._decay(h, now)
+
+    def record_failure(self, i: int, error: str) -> bool:
+        """An upstream failure; True when it ejected the backend."""
+        h = self.states[i]
+        now = self.clock.now()
+        h.last_error = error
+        if self.is_ejected(i, now):
+            return False
+        h.consecutive_failures += 1
+        if h.consecutive_failures < self.config.consecutive_failures:
+            return False
+        ejected = sum(1 for j in range(len(self.states)) if self.is_ejected(j, now))
+        if (ejected + 1) * 100 > self.config.max_ejection_percent * len(self.states):
+            return False  # Envoy: never eject beyond max_ejection_percent
+        self._decay(h, now)
+        h.times_ejected += 1
+        duration = min(self.config.base_ejection_s * h.times_ejected, self.config.max_ejection_s)
+        h.ejected_until_s = now + duration
+        h.ejections_total += 1
+        if self._on_eject is not None:
+            self._on_eject(i)
+        return True
+
+    def record_probe(self, i: int, ok: bool, error: str | None = None) -> None:
+        """The result of one active probe."""
+        h = self.states[i]
+        now = self.clock.now()
+        h.last_probe_at_s = now
+        if ok:
+            h.probe_failures = 0
+            h.probe_successes += 1
+            if h.probe_successes >= self.config.healthy_threshold:
+                if not h.probe_healthy:
+                    h.healthy_since_s = now
+                h.probe_healthy = True
+            if h.ejected_until_s is not None:
+                self._end_ejection(h, now)  # Envoy: a successful active check un-ejects
+            return
+        h.last_error = error
+        h.probe_successes = 0
+        h.probe_failures += 1
+        if h.probe_failures >= self.config.unhealthy_threshold:
+            h.probe_healthy = False
+
+    def describe(self, i: int) -> dict[str, object]:
+        """Plain data for ``/admin/backends``."""
+        h = self.states[i]
+        now = self.clock.now()
+        ejected = self.is_ejected(i, now)
+        return {
+            "available": h.probe_healthy and not ejected,
+            "probe_healthy": h.probe_healthy,
+            "ejected": ejected,
+            "ejected_for_s": round(h.ejected_until_s - now, 3) if ejected and h.ejected_until_s else 0.0,
+            "times_ejected": h.times_ejected,
+            "ejections_total": h.ejections_total,
+            "consecutive_failures": h.consecutive_failures,
+            "last_probe_age_s": None if h.last_probe_at_s is None else round(now - h.last_probe_at_s, 3),
+            "last_error": h.last_error,
+        }
+
+
+async def probe_once(session: aiohttp.ClientSession, url: str, timeout_s: float) -> tuple[bool, str | None]:
+    """GET ``url``; healthy means a 200 answer within ``timeout_s``."""
+    try:
+        async with asyncio.timeout(timeout_s), session.get(url) as resp:
+            await resp.read()
+            if resp.status == 200:
+                return True, None
+            return False, f"probe status {resp.status}"
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        return False, f"probe {type(exc).__name__}: {exc}"
+
+
+async def probe_loop(
+    tracker: HealthTracker, session: aiohttp.ClientSession, base_urls: Sequence[str]
+) -> None:
+    """Probe every backend each ``probe_interval_s`` until cancelled."""
+    cfg = tracker.config
+    urls = [u + cfg.probe_path for u in base_urls]
+    while True:
+        results = await asyncio.gather(*(probe_once(session, u, cfg.probe_timeout_s) for u in urls))
+        for i, (ok, error) in enumerate(results):
+            tracker.record_probe(i, ok, error)
+        await asyncio.sleep(cfg.probe_interval_s)

@@ -1,0 +1,77 @@
+"""Engine-metrics scraping: one loop per backend publishing immutable :class:`EngineMetrics`.
+
+Owns :class:`MetricsStore`, the latest scrape per backend. A scrape replaces the stored
+object whole (reference swap), so readers never lock and never see half an update. A
+scrape older than ``stale_after_s`` is not served to the router (``latest`` returns None):
+stale numbers are worse than none, and the policy then falls back for every candidate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import aiohttp
+
+from hetroute.backends.engines import MetricsParseError, parse_metrics
+from hetroute.config import ScrapeConfig
+from hetroute.types import BackendSpec, Clock, EngineMetrics
+
+
+class MetricsStore:
+    """The latest engine metrics per backend index, with staleness."""
+
+    def __init__(self, n_backends: int, clock: Clock, stale_after_s: float) -> None:
+        self.clock = clock
+        self.stale_after_s = stale_after_s
+        self._latest: list[EngineMetrics | None] = [None] * n_backends
+        self.errors: list[str | None] = [None] * n_backends
+
+    def publish(self, i: int, metrics: EngineMetrics) -> None:
+        self._latest[i] = metrics
+        self.errors[i] = None
+
+    def latest(self, i: int) -> EngineMetrics | None:
+        """The newest scrape if it is fresh, else None."""
+        m = self._latest[i]
+        if m is None or self.clock.now() - m.scraped_at_s > self.stale_after_s:
+            return None
+        return m
+
+    def last_seen(self, i: int) -> EngineMetrics | None:
+        """The newest scrape however old (for /admin)."""
+        return self._latest[i]
+
+    def age_s(self, i: int) -> float | None:
+        m = self._latest[i]
+        return None if m is None else self.clock.now() - m.scraped_at_s
+
+
+async def scrape_once(
+    session: aiohttp.ClientSession, spec: BackendSpec, timeout_s: float, clock: Clock
+) -> EngineMetrics:
+    """Fetch and parse one backend's ``/metrics`` (raises on HTTP or parse errors)."""
+    async with asyncio.timeout(timeout_s), session.get(spec.url + "/metrics") as resp:
+        if resp.status != 200:
+            raise aiohttp.ClientResponseError(
+                resp.request_info, (), status=resp.status, message="scrape failed"
+            )
+        text = await resp.text()
+    return parse_metrics(spec.engine, text, clock.now())
+
+
+async def scrape_loop(
+    store: MetricsStore,
+    session: aiohttp.ClientSession,
+    specs: Sequence[BackendSpec],
+    index: int,
+    config: ScrapeConfig,
+) -> None:
+    """Scrape backend ``index`` every ``interval_s`` until cancelled; errors are recorded, not raised."""
+    spec = specs[index]
+    while True:
+        try:
+            store.publish(index, await scrape_once(session, spec, config.timeout_s, store.clock))
+        except (aiohttp.ClientError, TimeoutError, OSError, MetricsParseError) as exc:
+            store.errors[index] = f"{type(exc).__name__}: {exc}"
+        await asyncio.sleep(config.interval_s)

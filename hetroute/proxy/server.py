@@ -1,0 +1,210 @@
+"""HTTP handlers of the gateway: thin adapters from aiohttp requests to the forwarder.
+
+Owns the route table and the handlers for the client APIs (OpenAI ``/v1/completions``,
+``/v1/chat/completions``, ``/v1/models``; TGI ``/generate``, ``/generate_stream``, ``/info``),
+``/health``, ``/metrics`` and ``/admin/backends``. Invariant: a request that is malformed,
+too large, for an unknown model or an unsupported path is answered here in the API's own
+error shape and never reaches a backend.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+
+import aiohttp
+from aiohttp import web
+
+from hetroute.backends.health import HealthTracker
+from hetroute.backends.scrape import MetricsStore
+from hetroute.policies.backend_model import describe_backend_models
+from hetroute.proxy.api_errors import ApiError, error_response
+from hetroute.proxy.forward import Forwarder
+from hetroute.proxy.protocols import ParsedRequest, parse_chat, parse_completions, parse_generate
+from hetroute.routing.router import Router
+from hetroute.telemetry import Telemetry
+from hetroute.types import Api
+
+OPENAI_POST_PATHS = ("/v1/chat/completions", "/v1/completions")
+TGI_POST_PATHS = ("/generate", "/generate_stream", "/")
+GET_PATHS = ("/v1/models", "/info", "/health", "/metrics", "/admin/backends")
+
+
+class Gateway:
+    """The handlers, bound to one app's components (no globals)."""
+
+    def __init__(
+        self,
+        *,
+        forwarder: Forwarder,
+        router: Router,
+        health: HealthTracker,
+        metrics: MetricsStore,
+        telemetry: Telemetry,
+        max_body_bytes: int,
+        admin_token: str | None,
+        tgi_model: str | None,
+        info_timeout_s: float,
+    ) -> None:
+        self.forwarder = forwarder
+        self.router = router
+        self.health = health
+        self.metrics = metrics
+        self.telemetry = telemetry
+        self.max_body_bytes = max_body_bytes
+        self.admin_token = admin_token
+        self.tgi_model = tgi_model
+        self.info_timeout_s = info_timeout_s
+
+    async def _body(self, request: web.Request) -> bytes:
+        length = request.content_length
+        if length is not None and length > self.max_body_bytes:
+            raise ApiError(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}")
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise ApiError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes") from exc
+
+    async def _handle(
+        self, request: web.Request, api: Api, parse: Callable[[bytes], ParsedRequest]
+    ) -> web.StreamResponse:
+        try:
+            parsed = parse(await self._body(request))
+            if parsed.model is not None:
+                model = parsed.model
+            elif self.tgi_model is not None:
+                model = self.tgi_model
+            else:
+                raise ApiError(404, "no backend speaks the TGI API")
+        except ApiError as err:
+            rid = request.headers.get("x-request-id") or self.forwarder.next_request_id()
+            self.telemetry.requests.labels("none", "", api, str(err.status), "").inc()
+            return error_response(api, err, request_id=rid)
+        return await self.forwarder.relay(request, parsed, model)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "openai", parse_chat)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "openai", parse_completions)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "tgi", lambda raw: parse_generate(raw, stream=False))
+
+    async def generate_stream(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "tgi", lambda raw: parse_generate(raw, stream=True))
+
+    async def tgi_compat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "tgi", lambda raw: parse_generate(raw, stream=None))
+
+    async def models(self, request: web.Request) -> web.Response:
+        seen: dict[str, str] = {}
+        for i, spec in enumerate(self.router.backends):
+            if self.health.is_available(i):
+                for m in spec.models:
+                    seen.setdefault(m, spec.engine)
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "hetroute"} for m in seen]
+        return web.json_response({"object": "list", "data": data})
+
+    async def info(self, request: web.Request) -> web.Response:
+        """TGI ``/info`` of an available TGI backend serving the TGI model."""
+        session = self.forwarder.session
+        if self.tgi_model is None or session is None:
+            return error_response("tgi", ApiError(404, "no backend speaks the TGI API"))
+        for i in self.router.serving(self.tgi_model, "tgi"):
+            if not self.health.is_available(i):
+                continue
+            spec = self.router.backends[i]
+            try:
+                timeout = aiohttp.ClientTimeout(total=self.info_timeout_s)
+                async with session.get(spec.url + "/info", timeout=timeout) as resp:
+                    if resp.status == 200:
+                        return web.Response(
+                            body=await resp.read(),
+                            content_type="application/json",
+                            headers={"x-hetroute-backend": spec.name},
+                        )
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                continue
+        return error_response("tgi", ApiError(503, f"no healthy backend for model `{self.tgi_model}`"))
+
+    async def health_check(self, request: web.Request) -> web.Response:
+        available = self.health.available_count()
+        status = 200 if available else 503
+        return web.json_response(
+            {"status": "ok" if available else "no healthy backend", "available_backends": available},
+            status=status,
+        )
+
+    async def admin_backends(self, request: web.Request) -> web.Response:
+        if self.admin_token is not None:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.admin_token}".encode()):
+                return error_response("openai", ApiError(401, "missing or wrong admin bearer token"))
+        router = self.router
+        last = [self.metrics.last_seen(i) for i in range(len(router.backends))]
+        sources = describe_backend_models(router.backends, last)
+        out = []
+        for i, spec in enumerate(router.backends):
+            metrics = last[i]
+            age = self.metrics.age_s(i)
+            if spec.profile is not None:
+                q = spec.profile.quality
+                profile: dict[str, object] = {
+                    "path": spec.profile_path,
+                    "source": spec.profile.source,
+                    "kv_capacity_tokens": spec.profile.kv_capacity_tokens,
+                    "kv_capacity_source": spec.profile.kv_capacity_source,
+                    "fit_quality": asdict(q) if q is not None else None,
+                }
+            else:
+                profile = {
+                    "path": None,
+                    "note": f"no latency profile; policy {router.policy.name!r} uses: {sources[i]}",
+                }
+            out.append(
+                {
+                    "name": spec.name,
+                    "url": spec.url,
+                    "engine": spec.engine,
+                    "models": list(spec.models),
+                    "weight": spec.weight,
+                    "labels": dict(spec.labels),
+                    "gpu": spec.gpu,
+                    "tp": spec.tp,
+                    "health": self.health.describe(i),
+                    "ledger": router.ledger.backend_load(i),
+                    "engine_metrics": asdict(metrics) if metrics is not None else None,
+                    "engine_metrics_age_s": None if age is None else round(age, 3),
+                    "engine_metrics_error": self.metrics.errors[i],
+                    "model_sources": sources[i],
+                    "profile": profile,
+                }
+            )
+        body = {"policy": router.policy.name, "in_flight": router.ledger.in_flight(), "backends": out}
+        return web.Response(text=json.dumps(body, default=str), content_type="application/json")
+
+    async def not_found(self, request: web.Request) -> web.Response:
+        api: Api = "tgi" if request.path in TGI_POST_PATHS or request.path == "/info" else "openai"
+        known = request.path in OPENAI_POST_PATHS + TGI_POST_PATHS + GET_PATHS
+        if known:
+            err = ApiError(405, f"method {request.method} is not allowed on {request.path}")
+        else:
+            err = ApiError(404, f"unsupported path {request.path}")
+        return error_response(api, err)
+
+
+def add_routes(app: web.Application, gw: Gateway) -> None:
+    app.router.add_post("/v1/chat/completions", gw.chat)
+    app.router.add_post("/v1/completions", gw.completions)
+    app.router.add_post("/generate", gw.generate)
+    app.router.add_post("/generate_stream", gw.generate_stream)
+    app.router.add_post("/", gw.tgi_compat)
+    app.router.add_get("/v1/models", gw.models, allow_head=False)
+    app.router.add_get("/info", gw.info, allow_head=False)
+    app.router.add_get("/health", gw.health_check, allow_head=False)
+    app.router.add_get("/metrics", gw.telemetry.handle_metrics, allow_head=False)
+    app.router.add_get("/admin/backends", gw.admin_backends, allow_head=False)
+    app.router.add_route("*", "/{tail:.*}", gw.not_found)

@@ -1,0 +1,146 @@
+"""Every ``hetroute_*`` Prometheus metric, on an injected ``CollectorRegistry`` (house style §15).
+
+Owns the metric definitions and the ``GET /metrics`` exposition. Nothing is registered on
+the process-global default registry, so each app (and each test) has its own metrics.
+Label children used on the hot path are cached per label tuple so a request does a dict
+lookup instead of ``labels()`` validation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+_DECISION_BUCKETS_S = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)
+
+
+class Telemetry:
+    """The app's metrics. ``registry`` is owned by the caller (``build_app``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        r = registry
+        self.requests = Counter(
+            "hetroute_requests",
+            "Finished client requests.",
+            ["backend", "model", "api", "status", "policy"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "hetroute_requests_in_flight",
+            "Dispatched and not yet released requests (the ledger).",
+            ["backend"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "hetroute_retries",
+            "Fail-overs to another backend before the first byte.",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.ejections = Counter("hetroute_ejections", "Outlier ejections.", ["backend"], registry=r)
+        self.available = Gauge(
+            "hetroute_backend_available", "1 when healthy and not ejected.", ["backend"], registry=r
+        )
+        self.metrics_age = Gauge(
+            "hetroute_backend_metrics_age_seconds",
+            "Age of the latest engine scrape (-1: none).",
+            ["backend"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "hetroute_ttft_seconds", "Router-side time to the first byte of a stream.", ["backend", "model"],
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "hetroute_inter_token_latency_seconds", "Mean gap between stream events, per request.",
+            ["backend"], buckets=_ITL_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.duration = Histogram(
+            "hetroute_request_duration_seconds", "End-to-end duration at the router.", ["backend", "api"],
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.decision = Histogram(
+            "hetroute_routing_decision_seconds", "Time spent in Router.route per policy.", ["policy"],
+            buckets=_DECISION_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.tokens = Counter(
+            "hetroute_tokens",
+            "Prompt and completion tokens (usage, or estimate).",
+            ["backend", "kind"],
+            registry=r,
+        )
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def bind_backends(
+        self,
+        names: Sequence[str],
+        available: Callable[[int], bool],
+        age_s: Callable[[int], float | None],
+        in_flight: Callable[[int], int],
+    ) -> None:
+        """Export per-backend gauges computed on scrape (no bookkeeping on the hot path)."""
+        for i, name in enumerate(names):
+
+            def _up(i: int = i) -> float:
+                return float(available(i))
+
+            def _busy(i: int = i) -> float:
+                return float(in_flight(i))
+
+            def _age(i: int = i) -> float:
+                age = age_s(i)
+                return -1.0 if age is None else age
+
+            self.available.labels(name).set_function(_up)
+            self.in_flight.labels(name).set_function(_busy)
+            self.metrics_age.labels(name).set_function(_age)
+
+    def on_decision(self, policy: str, backend: str, elapsed_s: float) -> None:
+        self._child(self.decision, (policy,)).observe(elapsed_s)
+
+    def retry(self, backend: str, reason: str) -> None:
+        self._child(self.retries, (backend, reason)).inc()
+
+    def _child(self, metric: Counter | Histogram, labels: tuple[str, ...]) -> Any:
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def observe_request(
+        self,
+        *,
+        backend: str,
+        model: str,
+        api: str,
+        status: int,
+        policy: str,
+        duration_s: float,
+        ttft_s: float | None,
+        itl_s: float | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> None:
+        child = self._child
+        child(self.requests, (backend, model, api, str(status), policy)).inc()
+        child(self.duration, (backend, api)).observe(duration_s)
+        if ttft_s is not None:
+            child(self.ttft, (backend, model)).observe(ttft_s)
+        if itl_s is not None:
+            child(self.itl, (backend,)).observe(itl_s)
+        if prompt_tokens:
+            child(self.tokens, (backend, "prompt")).inc(prompt_tokens)
+        if completion_tokens:
+            child(self.tokens, (backend, "completion")).inc(completion_tokens)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,110 @@
+"""The health state machine: Envoy-style ejection with back-off, max %, probe un-ejection."""
+
+from __future__ import annotations
+
+from hetroute.backends.health import HealthTracker
+from hetroute.clock import ManualClock
+from hetroute.config import HealthConfig
+
+CFG = HealthConfig(
+    consecutive_failures=3,
+    base_ejection_s=10.0,
+    max_ejection_s=25.0,
+    max_ejection_percent=50.0,
+    unhealthy_threshold=2,
+    healthy_threshold=1,
+)
+
+
+def _tracker(n: int = 2, cfg: HealthConfig = CFG) -> tuple[HealthTracker, ManualClock, list[int]]:
+    clock = ManualClock()
+    ejected: list[int] = []
+    return HealthTracker(cfg, [f"b{i}" for i in range(n)], clock, on_eject=ejected.append), clock, ejected
+
+
+def _fail(t: HealthTracker, i: int, times: int) -> list[bool]:
+    return [t.record_failure(i, "status 500") for _ in range(times)]
+
+
+def test_consecutive_failures_eject_and_time_returns_backend() -> None:
+    t, clock, ejected = _tracker()
+    assert _fail(t, 0, 3) == [False, False, True] and ejected == [0]
+    assert not t.is_available(0) and t.is_available(1)
+    clock.advance(9.9)
+    assert not t.is_available(0)
+    clock.advance(0.1)
+    assert t.is_available(0)  # base_ejection_s × 1
+
+
+def test_success_resets_the_consecutive_count() -> None:
+    t, _, _ = _tracker()
+    _fail(t, 0, 2)
+    t.record_success(0)
+    assert _fail(t, 0, 2) == [False, False] and t.is_available(0)
+
+
+def test_ejection_time_grows_and_is_capped() -> None:
+    t, clock, _ = _tracker()
+    durations = []
+    for _ in range(4):
+        _fail(t, 0, 3)
+        start = clock.now()
+        while not t.is_available(0):
+            clock.advance(1.0)
+        durations.append(clock.now() - start)
+    assert durations == [10.0, 20.0, 25.0, 25.0]  # base × times_ejected, capped at max
+    assert t.states[0].ejections_total == 4
+
+
+def test_multiplier_decays_while_healthy() -> None:
+    t, clock, _ = _tracker()
+    _fail(t, 0, 3)
+    clock.advance(10.0)
+    _fail(t, 0, 3)  # second ejection: 20 s
+    assert t.states[0].times_ejected == 2
+    clock.advance(20.0 + 20.0)  # ejection over, then two base periods healthy
+    t.record_success(0)
+    assert t.states[0].times_ejected == 0
+
+
+def test_max_ejection_percent() -> None:
+    t, _, ejected = _tracker(n=2)
+    _fail(t, 0, 3)
+    assert _fail(t, 1, 5) == [False] * 5  # a second ejection would exceed 50 %
+    assert ejected == [0] and t.is_available(1)
+
+
+def test_zero_percent_never_ejects() -> None:
+    t, _, ejected = _tracker(cfg=HealthConfig(consecutive_failures=1, max_ejection_percent=0.0))
+    _fail(t, 0, 3)
+    assert ejected == [] and t.is_available(0)
+
+
+def test_successful_probe_uneject() -> None:
+    t, _, _ = _tracker()
+    _fail(t, 0, 3)
+    assert not t.is_available(0)
+    t.record_probe(0, ok=True)
+    assert t.is_available(0) and t.states[0].consecutive_failures == 0
+
+
+def test_failed_probes_mark_unhealthy_until_a_success() -> None:
+    t, _, _ = _tracker()
+    t.record_probe(1, ok=False, error="refused")
+    assert t.is_available(1)  # unhealthy_threshold = 2
+    t.record_probe(1, ok=False, error="refused")
+    assert not t.is_available(1) and t.available_count() == 1
+    d = t.describe(1)
+    assert d["probe_healthy"] is False and d["last_error"] == "refused"
+    t.record_probe(1, ok=True)
+    assert t.is_available(1)
+
+
+def test_failures_while_ejected_do_not_extend() -> None:
+    t, clock, ejected = _tracker()
+    _fail(t, 0, 3)
+    _fail(t, 0, 10)
+    assert ejected == [0] and t.states[0].ejected_until_s == 10.0
+    assert t.describe(0)["ejected"] is True
+    clock.advance(10.0)
+    assert t.describe(0)["ejected"] is False
