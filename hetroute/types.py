@@ -113,6 +113,8 @@ class ClusterSnapshot:
     - ``predicted_output_tokens_in_flight[i]``: Σ Õ_r as predicted at dispatch.
     - ``workload[i]``: L_i, the sum of the policy costs (``RoutingDecision.workload_cost``)
       of in-flight requests (method.md §5).
+    - ``prefill_pending_tokens[i]``: Σ I_r of in-flight requests whose first token has not been
+      seen yet (prompts queued for or in prefill).
     - ``available[i]``: healthy and not ejected.
     - ``kv_capacity_tokens[i]``: best known KV capacity in tokens, NaN when unknown
       (profile, then engine metrics, then config).
@@ -129,6 +131,7 @@ class ClusterSnapshot:
     generated_tokens_in_flight: FloatArray
     predicted_output_tokens_in_flight: FloatArray
     workload: FloatArray
+    prefill_pending_tokens: FloatArray
     available: BoolArray
     kv_capacity_tokens: FloatArray
 

@@ -8,7 +8,9 @@ Per backend it keeps, in numpy arrays indexed like the router's backends:
 - ``generated_tokens_in_flight``: Σ tokens generated so far;
 - ``predicted_output_tokens_in_flight``: Σ Õ_r as predicted at dispatch (the paper's kvusage
   numerator is Σ (I_r + Õ_r), method.md §5);
-- ``workload``: L_s, Σ of the policy costs w_r^s of in-flight requests (method.md §5).
+- ``workload``: L_s, Σ of the policy costs w_r^s of in-flight requests (method.md §5);
+- ``prefill_pending_tokens``: Σ I_r of in-flight requests whose first token has not been seen yet
+  (added at dispatch, removed once: at :meth:`Ledger.first_token`, or at release if none came).
 
 Invariant: every :meth:`Ledger.dispatch` is undone by exactly one effective
 :meth:`Ledger.release`, whatever the outcome; a second release is a no-op that returns
@@ -57,6 +59,7 @@ class Ledger:
         self.generated_tokens_in_flight: FloatArray = np.zeros(n, dtype=np.float64)
         self.predicted_output_tokens_in_flight: FloatArray = np.zeros(n, dtype=np.float64)
         self.workload: FloatArray = np.zeros(n, dtype=np.float64)
+        self.prefill_pending_tokens: FloatArray = np.zeros(n, dtype=np.float64)
         self.dispatched_total: IntArray = np.zeros(n, dtype=np.int64)
         self.released_total: IntArray = np.zeros(n, dtype=np.int64)
         self._in_flight = 0
@@ -80,6 +83,7 @@ class Ledger:
         self.remaining_predicted_tokens[i] += predicted_output_tokens
         self.predicted_output_tokens_in_flight[i] += predicted_output_tokens
         self.workload[i] += workload_cost
+        self.prefill_pending_tokens[i] += input_tokens
         self.dispatched_total[i] += 1
         self._in_flight += 1
         return Ticket(
@@ -95,9 +99,10 @@ class Ledger:
         )
 
     def first_token(self, ticket: Ticket, now_s: float) -> None:
-        """Mark the time of the first token (idempotent)."""
+        """Mark the time of the first token (idempotent): its prompt is no longer pending prefill."""
         if ticket.first_token_at_s is None and not ticket.released:
             ticket.first_token_at_s = now_s
+            self.prefill_pending_tokens[ticket.backend_index] -= ticket.input_tokens
 
     def observe_generated(self, ticket: Ticket, generated_tokens: int) -> None:
         """Replace predicted tokens with observed ones: ``generated_tokens`` is cumulative.
@@ -126,6 +131,8 @@ class Ledger:
         self.generated_tokens_in_flight[i] -= ticket.generated_tokens
         self.predicted_output_tokens_in_flight[i] -= ticket.predicted_output_tokens
         self.workload[i] -= ticket.workload_cost
+        if ticket.first_token_at_s is None:
+            self.prefill_pending_tokens[i] -= ticket.input_tokens
         self.released_total[i] += 1
         self._in_flight -= 1
         if self.requests_in_flight[i] == 0:
@@ -147,6 +154,7 @@ class Ledger:
             "generated_tokens_in_flight": float(self.generated_tokens_in_flight[index]),
             "predicted_output_tokens_in_flight": float(self.predicted_output_tokens_in_flight[index]),
             "workload": float(self.workload[index]),
+            "prefill_pending_tokens": float(self.prefill_pending_tokens[index]),
             "dispatched_total": int(self.dispatched_total[index]),
             "released_total": int(self.released_total[index]),
         }
@@ -161,5 +169,6 @@ class Ledger:
             and not self.generated_tokens_in_flight.any()
             and not self.predicted_output_tokens_in_flight.any()
             and not self.workload.any()
+            and not self.prefill_pending_tokens.any()
             and bool((self.dispatched_total == self.released_total).all())
         )

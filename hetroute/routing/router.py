@@ -137,6 +137,7 @@ class Router:
             generated_tokens_in_flight=_readonly(led.generated_tokens_in_flight.copy()),
             predicted_output_tokens_in_flight=_readonly(led.predicted_output_tokens_in_flight.copy()),
             workload=_readonly(led.workload.copy()),
+            prefill_pending_tokens=_readonly(led.prefill_pending_tokens.copy()),
             available=_readonly(np.array([self._is_available(i) for i in range(n)], dtype=np.bool_)),
             kv_capacity_tokens=_readonly(caps),
         )

@@ -23,6 +23,7 @@ def snapshot(
     kv_capacity: Sequence[float] | None = None,
     input_tokens: Sequence[float] | None = None,
     metrics: Sequence[EngineMetrics | None] | None = None,
+    prefill_pending: Sequence[float] | None = None,
 ) -> ClusterSnapshot:
     n = len(backends)
 
@@ -39,6 +40,7 @@ def snapshot(
         generated_tokens_in_flight=arr(None, np.float64),
         predicted_output_tokens_in_flight=arr(None, np.float64),
         workload=arr(workload, np.float64),
+        prefill_pending_tokens=arr(prefill_pending, np.float64),
         available=np.ones(n, dtype=np.bool_),
         kv_capacity_tokens=np.array(
             kv_capacity if kv_capacity is not None else [np.nan] * n, dtype=np.float64

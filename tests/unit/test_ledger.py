@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from hetroute.routing.ledger import Ledger
+from hetroute.routing.ledger import Ledger, Ticket
 
 
 def test_dispatch_and_release_round_trip() -> None:
@@ -94,3 +94,67 @@ def test_predicted_outputs_stay_as_dispatched_until_release() -> None:
     assert led.backend_load(0)["predicted_output_tokens_in_flight"] == 5  # open loop: never corrected
     led.release(t, 1.0)
     assert led.backend_load(0)["predicted_output_tokens_in_flight"] == 0 and led.is_zero()
+
+
+def _dispatch(led: Ledger, rid: str, backend: int, input_tokens: int) -> Ticket:
+    return led.dispatch(
+        request_id=rid,
+        backend_index=backend,
+        input_tokens=input_tokens,
+        predicted_output_tokens=7,
+        workload_cost=0.5,
+        now_s=0.0,
+    )
+
+
+def test_prefill_pending_tokens_leave_at_the_first_token_exactly_once() -> None:
+    led = Ledger(["a", "b"])
+    t1 = _dispatch(led, "1", 0, 100)
+    t2 = _dispatch(led, "2", 0, 30)
+    _dispatch(led, "3", 1, 5)
+    assert led.prefill_pending_tokens.tolist() == [130, 5]
+    assert led.backend_load(0)["prefill_pending_tokens"] == 130
+    led.first_token(t1, 1.0)
+    assert led.prefill_pending_tokens.tolist() == [30, 5]
+    led.first_token(t1, 2.0)  # idempotent: not removed twice
+    assert led.prefill_pending_tokens.tolist() == [30, 5]
+    assert t1.first_token_at_s == 1.0
+    led.release(t1, 3.0)  # first token already counted: release does not remove it again
+    assert led.prefill_pending_tokens.tolist() == [30, 5]
+    assert led.input_tokens_in_flight.tolist() == [30, 5]
+    led.release(t2, 3.0)  # no first token ever came (error, timeout): removed at release
+    assert led.prefill_pending_tokens.tolist() == [0, 5]
+    led.first_token(t2, 4.0)  # a first token after release changes nothing
+    assert led.prefill_pending_tokens.tolist() == [0, 5] and t2.first_token_at_s is None
+
+
+def test_is_zero_includes_prefill_pending_tokens() -> None:
+    led = Ledger(["a"])
+    t = _dispatch(led, "1", 0, 10)
+    led.release(t, 1.0)
+    assert led.is_zero()
+    led.prefill_pending_tokens[0] = 1.0  # a leak anywhere must show
+    assert not led.is_zero()
+
+
+def test_prefill_pending_random_interleaving_matches_a_recount() -> None:
+    rng = random.Random(11)
+    led = Ledger(["a", "b", "c"])
+    live: list[Ticket] = []
+    for step in range(4000):
+        roll = rng.random()
+        if live and roll < 0.3:
+            led.first_token(live[rng.randrange(len(live))], float(step))
+        elif live and roll < 0.6:
+            t = live.pop(rng.randrange(len(live)))
+            assert led.release(t, float(step))
+        else:
+            live.append(_dispatch(led, str(step), rng.randrange(3), rng.randrange(1, 4000)))
+        expected = [0.0, 0.0, 0.0]
+        for t in live:
+            if t.first_token_at_s is None:
+                expected[t.backend_index] += t.input_tokens
+        assert led.prefill_pending_tokens.tolist() == expected
+    for t in live:
+        led.release(t, 1e9)
+    assert led.is_zero()

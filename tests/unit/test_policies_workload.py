@@ -52,6 +52,7 @@ def snap(
     in_flight: Sequence[int] | None = None,
     metrics: Sequence[EngineMetrics | None] | None = None,
     caps: Sequence[float] | None = None,
+    prefill_pending: Sequence[float] | None = None,
 ) -> ClusterSnapshot:
     n = len(backends)
     zeros = np.zeros(n, dtype=np.float64)
@@ -67,6 +68,9 @@ def snap(
         generated_tokens_in_flight=zeros.copy(),
         predicted_output_tokens_in_flight=zeros.copy(),
         workload=np.array(workload if workload is not None else zeros, dtype=np.float64),
+        prefill_pending_tokens=np.array(
+            prefill_pending if prefill_pending is not None else zeros, dtype=np.float64
+        ),
         available=np.ones(n, dtype=np.bool_),
         kv_capacity_tokens=np.array(caps, dtype=np.float64),
     )
