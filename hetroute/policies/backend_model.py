@@ -246,6 +246,23 @@ class BackendModels:
         out: FloatArray = np.maximum(prefill + o * step, 0.0)
         return out
 
+    def prefill_s(self, idx: IntArray, input_tokens: float) -> FloatArray:
+        """T_prefill(1, I) per backend in ``idx``: one prompt prefilled alone (Eq. 3 with b = 1), ≥ 0."""
+        p = self.params[idx]
+        i = float(max(input_tokens, 0))
+        out: FloatArray = np.maximum(p[:, 0] * i + p[:, 1] + p[:, 2] * i + p[:, 3], 0.0)
+        return out
+
+    def prefill_queue_s(self, idx: IntArray, pending_tokens: FloatArray) -> FloatArray:
+        """Time to prefill the prompts already waiting on each backend: ``p1 · P_s`` (≥ 0).
+
+        ``P_s`` (aligned with ``idx``) is Σ I of in-flight requests without a first token; ``p1`` is
+        the per-token cost of a batched prefill (method.md §3, T_prefill(b, I) = p1·b·I + ...), since
+        queued prompts are prefilled together (chunked prefill fills each step's token budget).
+        """
+        out: FloatArray = np.maximum(self.params[idx, 0], 0.0) * np.maximum(pending_tokens, 0.0)
+        return out
+
     def saturated_throughput_tokens_s(
         self, idx: IntArray, input_tokens: float, output_tokens: float, capacity_tokens: FloatArray
     ) -> FloatArray:

@@ -23,7 +23,9 @@ candidate lacks it, all candidates use the ledger estimate (same signal for all)
 
 Params: ``theta`` (θ ≥ 0, default 2, the paper's value), ``kv_signal``, ``batch_kv`` (``full``:
 b from I + Õ as the paper; ``average``: from I + Õ/2, the mean footprint under continuous batching),
-``latency_floor`` (default false; the latency floor of ``balanced_minmax``), ``seed``.
+``latency_floor`` (default false; the latency floor of ``balanced_minmax``), ``prefill_queue`` and
+``ttft_weight`` (default false / 0; the floor's prefill terms, see ``balanced_minmax``: they act only
+inside the latency floor), ``seed``.
 ``memory_minmax`` (T ≡ 1) and ``balanced_minmax`` reuse :class:`MinMaxPolicy`.
 """
 
@@ -113,9 +115,13 @@ class MinMaxPolicy:
         batch_kv: BatchKv = "full",
         overflow_only: bool = False,
         latency_floor: bool = False,
+        prefill_queue: bool = False,
+        ttft_weight: float = 0.0,
     ) -> None:
         self.name = name
+        self.ttft_weight = ttft_weight
         self.latency_floor = latency_floor
+        self.prefill_queue = prefill_queue
         self.models = models
         self.theta = theta
         self.unit_time = unit_time
@@ -150,9 +156,14 @@ class MinMaxPolicy:
             snapshot.input_tokens_in_flight[candidates] + snapshot.generated_tokens_in_flight[candidates]
         )
         mean_context = (context + features.input_tokens) / (n + 1.0)
-        return self.models.request_latency_s(
+        out = self.models.request_latency_s(
             candidates, features.input_tokens, features.predicted_output_tokens, n + 1.0, mean_context
         )
+        if self.prefill_queue:
+            out = out + self.models.prefill_queue_s(candidates, snapshot.prefill_pending_tokens[candidates])
+        if self.ttft_weight > 0.0:
+            out = out + self.ttft_weight * self.models.prefill_s(candidates, features.input_tokens)
+        return out
 
     def choose(
         self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray
@@ -198,9 +209,13 @@ def build_minmax(
     batch_kv: BatchKv = "full",
     overflow_only: bool = False,
     latency_floor: bool = False,
+    prefill_queue: bool = False,
+    ttft_weight: float = 0.0,
 ) -> MinMaxPolicy:
     """Validate ``params`` (overriding the given defaults) and build a :class:`MinMaxPolicy`."""
-    allowed = ("theta", "kv_signal", "seed") + (() if unit_time else ("batch_kv", "latency_floor"))
+    allowed = ("theta", "kv_signal", "seed") + (
+        () if unit_time else ("batch_kv", "latency_floor", "prefill_queue", "ttft_weight")
+    )
     check_known(params, allowed, name)
     signal = read_choice(params, "kv_signal", kv_signal, KV_SIGNALS)
     batch = read_choice(params, "batch_kv", batch_kv, BATCH_KV)
@@ -214,6 +229,8 @@ def build_minmax(
         batch_kv=cast(BatchKv, batch),
         overflow_only=overflow_only,
         latency_floor=read_bool(params, "latency_floor", latency_floor),
+        prefill_queue=read_bool(params, "prefill_queue", prefill_queue),
+        ttft_weight=read_float(params, "ttft_weight", ttft_weight, minimum=0.0, maximum=1000.0),
     )
 
 

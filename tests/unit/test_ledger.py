@@ -54,7 +54,7 @@ def test_observed_tokens_replace_predicted() -> None:
 def test_random_interleaving_returns_exactly_to_zero() -> None:
     rng = random.Random(7)
     led = Ledger(["a", "b", "c"])
-    live = []
+    live: list[Ticket] = []
     for step in range(5000):
         if live and rng.random() < 0.5:
             t = live.pop(rng.randrange(len(live)))

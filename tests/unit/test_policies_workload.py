@@ -271,6 +271,52 @@ def test_balanced_latency_floor_keeps_light_load_on_the_fast_backend() -> None:
     assert with_floor.workload_cost == pytest.approx(t[0])
 
 
+def test_the_floor_adds_the_prefill_time_of_prompts_waiting_on_the_backend() -> None:
+    # 100 requests decode on the fast backend; 300k prompt tokens are still waiting for prefill there.
+    s = snap(TWO, kv_tokens=[300_000, 0], in_flight=[100, 0], prefill_pending=[300_000, 0])
+    with_queue = minmax("balanced_minmax", ttft_weight=0.0)
+    without = minmax("balanced_minmax", ttft_weight=0.0, prefill_queue=False)
+    lat_q, lat_0 = with_queue.latency(req(), s, BOTH), without.latency(req(), s, BOTH)
+    assert lat_q[0] - lat_0[0] == pytest.approx(FAST.p1 * 300_000)  # p1 · P_s: a batched prefill
+    assert lat_q[1] == lat_0[1]  # nothing waits on the slow backend
+    # without the queue the fast backend still looks best; with it, the idle slow one is sooner
+    assert (without.choose(req(), s, BOTH).index, with_queue.choose(req(), s, BOTH).index) == (0, 1)
+    # the queue only moves the floor: the charge is still T_r^s
+    t, _, _ = with_queue.costs(req(), s, BOTH)
+    assert with_queue.choose(req(), s, BOTH).workload_cost == pytest.approx(t[1])
+
+
+def test_workload_minmax_uses_the_prefill_queue_only_inside_the_latency_floor() -> None:
+    s = snap(TWO, kv_tokens=[300_000, 0], in_flight=[100, 0], prefill_pending=[300_000, 0])
+    paper = minmax("workload_minmax", prefill_queue=True)  # no floor: the queue cannot matter
+    assert paper.choose(req(), s, BOTH).index == minmax("workload_minmax").choose(req(), s, BOTH).index
+    floored = minmax("workload_minmax", latency_floor=True, prefill_queue=True, theta=0.0)
+    assert floored.choose(req(), s, BOTH).index == 1
+
+
+def test_ttft_weight_counts_the_own_prefill_again_and_prefers_fast_prefill() -> None:
+    # "prefill" prefills 3x faster; "decode" decodes a little faster. A long prompt with a short
+    # output: by latency alone the decode-fast backend wins by a hair, weighting TTFT moves it.
+    prefill_fast = LatencyParams(p1=1e-5, p2=0.0, p3=1e-5, p4=5e-3, p5=0.0, p6=1e-5, p7=0.0, p8=6e-3)
+    decode_fast = LatencyParams(p1=3e-5, p2=0.0, p3=3e-5, p4=5e-3, p5=0.0, p6=1e-5, p7=0.0, p8=5e-3)
+    pair = (
+        backend("prefill", profile(prefill_fast, 500_000)),
+        backend("decode", profile(decode_fast, 500_000)),
+    )
+    r = req(2000, 100)
+    plain = minmax("balanced_minmax", backends=pair, ttft_weight=0.0)
+    weighted = minmax("balanced_minmax", backends=pair)  # default ttft_weight 8
+    s = snap(pair)
+    lat_plain, lat_w = plain.latency(r, s, BOTH), weighted.latency(r, s, BOTH)
+    models = BackendModels(pair)
+    assert (lat_w - lat_plain).tolist() == pytest.approx((8.0 * models.prefill_s(BOTH, 2000)).tolist())
+    assert models.prefill_s(BOTH, 2000).tolist() == pytest.approx(
+        [prefill_fast.prefill_s(1, 2000), decode_fast.prefill_s(1, 2000)]
+    )
+    assert lat_plain[1] < lat_plain[0]
+    assert (plain.choose(r, s, BOTH).index, weighted.choose(r, s, BOTH).index) == (1, 0)
+
+
 @pytest.mark.parametrize("name", ["workload_minmax", "balanced_minmax", "memory_minmax", "capacity_weighted"])
 def test_through_the_router_every_load_is_released_exactly_once(name: str) -> None:
     clock = ManualClock()
@@ -349,6 +395,9 @@ def test_capacity_weighted_does_not_flood_a_returning_backend() -> None:
         ("workload_minmax", {"kv_signal": "magic"}, "policy.params.kv_signal"),
         ("workload_minmax", {"batch_kv": "half"}, "policy.params.batch_kv"),
         ("workload_minmax", {"thetta": 1}, "policy.params.thetta"),
+        ("balanced_minmax", {"ttft_weight": -1}, "policy.params.ttft_weight"),
+        ("balanced_minmax", {"prefill_queue": "yes"}, "policy.params.prefill_queue"),
+        ("memory_minmax", {"ttft_weight": 1}, "policy.params.ttft_weight"),
         ("memory_minmax", {"batch_kv": "full"}, "policy.params.batch_kv"),
         ("single", {"backend": "nope"}, "policy.params.backend"),
         ("capacity_weighted", {"high_water_mark": 1.5}, "policy.params.high_water_mark"),
