@@ -108,7 +108,7 @@ async def test_cancelling_the_profile_aborts_every_upstream_request(tmp_path: Pa
         opts = options(tmp_path / "never.yaml", backend_url=url, sweep=slow)
         task = asyncio.create_task(profile_backend(opts, MonotonicClock(), lambda _: None))
         for _ in range(500):  # wait (bounded) until a whole batch is streaming
-            if len(emu.lives) == 8:
+            if len(emu.lives) == 8 and engine.stats().running == 8:
                 break
             await asyncio.sleep(0.01)
         assert len(emu.lives) == 8 and engine.stats().running == 8
