@@ -40,12 +40,19 @@ PAIR = (("v100-tp4", 4), ("v100-tp1", 1))
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "demo", help="emulated heterogeneous pair: round_robin vs hetroute's default policy"
+        "demo",
+        help="emulated heterogeneous pair: round_robin vs hetroute's default policy",
+        description=(
+            "Start two emulated vLLM backends (Llama-3-8B on V100 at TP=4 and TP=1) and the router in "
+            "this process, send the same mixed workload (completions and chat, half streamed) through "
+            "round_robin and through the default policy, print a per-policy, per-backend table "
+            "(throughput, TTFT and end-to-end p50/p99) and exit 0. No GPU needed."
+        ),
     )
     p.add_argument("--requests", type=int, default=300, help="requests per policy run (default 300)")
     p.add_argument("--rate", type=float, default=16.0, help="arrival rate in emulated req/s (default 16)")
     p.add_argument("--speedup", type=float, default=3.0, help="emulated time runs K× faster (default 3)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="workload and policy seed (default 0)")
     p.add_argument("--serve", action="store_true", help="afterwards keep the router running (Ctrl-C stops)")
     p.add_argument("--port", type=int, default=8000, help="router port for --serve (default 8000)")
     p.set_defaults(func=run)

@@ -27,7 +27,15 @@ log = logging.getLogger("hetroute.serve")
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser("serve", help="run the routing gateway (OpenAI and TGI APIs)")
+    p = subparsers.add_parser(
+        "serve",
+        help="run the routing gateway (OpenAI and TGI APIs)",
+        description=(
+            "Run the gateway in front of vLLM/TGI/OpenAI-compatible backends. Either --config FILE "
+            "(every field: docs/configuration.md) or one or more --backend URL, whose engine type and "
+            "models are discovered from /info (TGI) or /v1/models."
+        ),
+    )
     p.add_argument("--config", metavar="FILE", help="YAML config (see config/router.example.yaml)")
     p.add_argument(
         "--backend",
