@@ -35,6 +35,7 @@ from hetroute.errors import NoBackendAvailable, UnknownModel
 from hetroute.proxy.api_errors import BACKEND_HEADER, REQUEST_ID_HEADER, ApiError, error_response
 from hetroute.proxy.protocols import ParsedRequest, TokenEstimator
 from hetroute.proxy.sse import OpenAIStreamTap, TgiStreamTap, openai_error_event, tgi_error_event
+from hetroute.proxy.watchdog import Watchdog, Watchdogs
 from hetroute.routing.ledger import Ticket
 from hetroute.routing.router import Router
 from hetroute.telemetry import Telemetry
@@ -102,47 +103,6 @@ def _usage_of(api: str, body: bytes) -> tuple[int | None, int | None]:
     return _int(obj.get("prompt_tokens")), _int(obj.get("completion_tokens"))
 
 
-class _Watchdog:
-    """Cancels the relaying task when nothing arrived for ``limit_s`` (first byte, then idle gaps).
-
-    Cheaper than an ``asyncio.timeout`` rescheduled per chunk: a chunk only stores the loop
-    time in ``last_s``; the single timer re-arms itself from it when it fires early.
-    """
-
-    __slots__ = ("_loop", "_task", "_limit_s", "_handle", "last_s", "expired")
-
-    def __init__(self, limit_s: float) -> None:
-        self._loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None
-        self._task = task
-        self._limit_s = limit_s
-        self.last_s = self._loop.time()
-        self.expired = False
-        self._handle = self._loop.call_at(self.last_s + limit_s, self._check)
-
-    def _check(self) -> None:
-        if self._loop.time() - self.last_s >= self._limit_s:
-            self.expired = True
-            self._task.cancel()
-        else:
-            self._handle = self._loop.call_at(self.last_s + self._limit_s, self._check)
-
-    def rearm(self, limit_s: float) -> None:
-        """From now on allow ``limit_s`` between chunks."""
-        self._handle.cancel()
-        self._limit_s = limit_s
-        self.last_s = self._loop.time()
-        self._handle = self._loop.call_at(self.last_s + limit_s, self._check)
-
-    def fired(self) -> bool:
-        """After a CancelledError: True when this watchdog caused it (and it is absorbed)."""
-        return self.expired and self._task.uncancel() == 0
-
-    def close(self) -> None:
-        self._handle.cancel()
-
-
 _OBSERVE_EVERY = 4
 """Report generated tokens to the ledger every few events (exact at the end): it is numpy work."""
 
@@ -174,6 +134,7 @@ class Forwarder:
         self.session: aiohttp.ClientSession | None = None  # pooled; set by the app's cleanup_ctx
         self.fresh_session: aiohttp.ClientSession | None = None  # one new connection per request
         self._ids = itertools.count(1)
+        self._watchdogs = Watchdogs()
         self._id_prefix = id_prefix
 
     def next_request_id(self) -> str:
@@ -296,7 +257,7 @@ class Forwarder:
         spec = self.router.backends[ticket.backend_index]
         i = ticket.backend_index
         resp: aiohttp.ClientResponse | None = None
-        watchdog = _Watchdog(self.settings.first_byte_s)
+        watchdog = self._watchdogs.start(self.settings.first_byte_s)
         try:
             try:
                 resp = await self._open(
@@ -368,7 +329,7 @@ class Forwarder:
         resp: aiohttp.ClientResponse,
         first: bytes,
         start: float,
-        watchdog: _Watchdog,
+        watchdog: Watchdog,
     ) -> web.StreamResponse:
         out = web.StreamResponse(
             status=resp.status, headers=self._client_headers(resp, ticket.backend_name, rec.request_id)
@@ -434,7 +395,7 @@ class Forwarder:
         resp: aiohttp.ClientResponse,
         tap: OpenAIStreamTap | TgiStreamTap,
         ticket: Ticket,
-        watchdog: _Watchdog,
+        watchdog: Watchdog,
     ) -> tuple[str | None, bool]:
         """Relay until EOF: (upstream error or None, client gone)."""
         loop = asyncio.get_running_loop()
