@@ -38,6 +38,7 @@ class AccessRecord:
 
 
 _FIELDS = tuple(f.name for f in fields(AccessRecord))
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps(separators=...) builds one per call
 
 
 LineSink = Callable[[str], object]
@@ -67,7 +68,7 @@ class AccessLog:
         for key in ("ttft_s", "itl_s", "duration_s"):
             if data[key] is not None:
                 data[key] = round(data[key], 6)
-        line = json.dumps(data, separators=(",", ":"))
+        line = _ENCODE(data)
         if self._sink is not None:
             self._sink(line + "\n")
         else:

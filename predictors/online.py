@@ -37,12 +37,17 @@ DEFAULT_PRIOR_TOKENS = 200.0
 
 
 class _Window:
-    """A ring buffer of the most recent observations with a lazily cached statistic."""
+    """A ring buffer of the most recent observations with a lazily cached statistic.
 
-    __slots__ = ("_values", "_count", "_next", "_cached")
+    Alongside the ring it keeps the same values sorted (``bisect`` insert and delete), so a
+    quantile is two lookups and one interpolation instead of a numpy partition per change.
+    """
+
+    __slots__ = ("_values", "_sorted", "_count", "_next", "_cached")
 
     def __init__(self, size: int) -> None:
         self._values: FloatArray = np.zeros(size, dtype=np.float64)
+        self._sorted: list[float] = []
         self._count = 0
         self._next = 0
         self._cached: float | None = None
@@ -51,6 +56,10 @@ class _Window:
         return self._count
 
     def add(self, value: float) -> None:
+        ordered = self._sorted
+        if self._count == self._values.size:
+            del ordered[bisect.bisect_left(ordered, float(self._values[self._next]))]
+        bisect.insort(ordered, value)
         self._values[self._next] = value
         self._next = (self._next + 1) % self._values.size
         self._count = min(self._count + 1, self._values.size)
@@ -59,9 +68,29 @@ class _Window:
     def statistic(self, q: float | None) -> float:
         """The q-quantile of the window, or its mean when ``q`` is None (cached until the next add)."""
         if self._cached is None:
-            values = self._values[: self._count]
-            self._cached = float(np.mean(values)) if q is None else float(np.quantile(values, q))
+            if q is None:
+                self._cached = float(np.mean(self._values[: self._count]))
+            else:
+                self._cached = _linear_quantile(self._sorted, q)
         return self._cached
+
+
+def _linear_quantile(ordered: list[float], q: float) -> float:
+    """``numpy.quantile(values, q)`` (default ``linear`` method) of sorted, non-empty ``ordered``.
+
+    Q = a + (b − a)·γ for γ < 0.5, else b − (b − a)·(1 − γ), with a, b the order statistics
+    around the virtual index (n − 1)·q and γ its fractional part: numpy's own arithmetic,
+    so the result is bit-identical.
+    """
+    last = len(ordered) - 1
+    virtual = last * q
+    if virtual >= last:
+        return ordered[last]
+    lo = int(virtual)  # floor: virtual >= 0
+    a, b = ordered[lo], ordered[lo + 1]
+    gamma = virtual - lo
+    diff = b - a
+    return b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma
 
 
 class OnlineQuantilePredictor:

@@ -54,15 +54,30 @@ class Ledger:
         n = len(backend_names)
         self.backend_names: tuple[str, ...] = tuple(backend_names)
         self.requests_in_flight: IntArray = np.zeros(n, dtype=np.int64)
-        self.input_tokens_in_flight: FloatArray = np.zeros(n, dtype=np.float64)
-        self.remaining_predicted_tokens: FloatArray = np.zeros(n, dtype=np.float64)
-        self.generated_tokens_in_flight: FloatArray = np.zeros(n, dtype=np.float64)
-        self.predicted_output_tokens_in_flight: FloatArray = np.zeros(n, dtype=np.float64)
-        self.workload: FloatArray = np.zeros(n, dtype=np.float64)
-        self.prefill_pending_tokens: FloatArray = np.zeros(n, dtype=np.float64)
+        # The float counters are rows of one 2-D array, so a snapshot is one copy (see snapshot_arrays).
+        self._floats: FloatArray = np.zeros((6, n), dtype=np.float64)
+        self.input_tokens_in_flight: FloatArray = self._floats[0]
+        self.remaining_predicted_tokens: FloatArray = self._floats[1]
+        self.generated_tokens_in_flight: FloatArray = self._floats[2]
+        self.predicted_output_tokens_in_flight: FloatArray = self._floats[3]
+        self.workload: FloatArray = self._floats[4]
+        self.prefill_pending_tokens: FloatArray = self._floats[5]
         self.dispatched_total: IntArray = np.zeros(n, dtype=np.int64)
         self.released_total: IntArray = np.zeros(n, dtype=np.int64)
         self._in_flight = 0
+
+    def snapshot_arrays(self) -> tuple[IntArray, FloatArray]:
+        """Read-only copies: ``requests_in_flight``, and a 6×n array whose rows are, in order,
+        ``input_tokens_in_flight``, ``remaining_predicted_tokens``, ``generated_tokens_in_flight``,
+        ``predicted_output_tokens_in_flight``, ``workload`` and ``prefill_pending_tokens``.
+
+        Rows (views) of a read-only array are read-only, so one flag write covers all six.
+        """
+        requests = self.requests_in_flight.copy()
+        requests.flags.writeable = False
+        floats = self._floats.copy()
+        floats.flags.writeable = False
+        return requests, floats
 
     def dispatch(
         self,

@@ -25,6 +25,7 @@ from hetroute.routing.ledger import Ledger, Ticket
 from hetroute.types import (
     Api,
     BackendSpec,
+    BoolArray,
     Clock,
     ClusterSnapshot,
     EngineMetrics,
@@ -46,11 +47,6 @@ def _always(_: int) -> bool:
 
 def _no_metrics(_: int) -> EngineMetrics | None:
     return None
-
-
-def _readonly(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
-    return a
 
 
 class Router:
@@ -95,6 +91,12 @@ class Router:
             ],
             dtype=np.float64,
         )
+        self._range = range(len(self.backends))
+        # Read-only arrays shared by successive snapshots while their inputs are unchanged.
+        self._caps_key: tuple[EngineMetrics | None, ...] | None = None
+        self._caps: FloatArray = self._profile_caps
+        self._available_key: tuple[bool, ...] | None = None
+        self._available: BoolArray = np.zeros(0, dtype=np.bool_)
 
     def serving(self, model: str, api: Api) -> tuple[int, ...]:
         """Indices of the backends that serve ``model`` through ``api`` (cached)."""
@@ -116,9 +118,40 @@ class Router:
 
     def snapshot(self) -> ClusterSnapshot:
         """An immutable copy of the cluster state now (ledger, health, engine metrics)."""
-        n = len(self.backends)
-        metrics = tuple(self._latest_metrics(i) for i in range(n))
-        # KV capacity: the profile, then the engine's own report, then the config (types.py).
+        return self._snapshot()[0]
+
+    def _snapshot(self) -> tuple[ClusterSnapshot, tuple[bool, ...]]:
+        """The snapshot and its availability as a tuple (cheaper to index than the array)."""
+        backends = self._range
+        latest = self._latest_metrics
+        metrics = tuple([latest(i) for i in backends])
+        if metrics != self._caps_key:  # identity of the same objects: no rebuild
+            self._caps_key, self._caps = metrics, self._capacities(metrics)
+        is_available = self._is_available
+        available = tuple([is_available(i) for i in backends])
+        if available != self._available_key:
+            flags: BoolArray = np.array(available, dtype=np.bool_)
+            flags.flags.writeable = False
+            self._available_key, self._available = available, flags
+        requests, floats = self.ledger.snapshot_arrays()
+        snap = ClusterSnapshot(
+            now_s=self.clock.now(),
+            backends=self.backends,
+            metrics=metrics,
+            requests_in_flight=requests,
+            input_tokens_in_flight=floats[0],
+            remaining_predicted_tokens=floats[1],
+            generated_tokens_in_flight=floats[2],
+            predicted_output_tokens_in_flight=floats[3],
+            workload=floats[4],
+            prefill_pending_tokens=floats[5],
+            available=self._available,
+            kv_capacity_tokens=self._caps,
+        )
+        return snap, available
+
+    def _capacities(self, metrics: tuple[EngineMetrics | None, ...]) -> FloatArray:
+        """KV capacity: the profile, then the engine's own report, then the config (types.py)."""
         caps = self._profile_caps.copy()
         for i, m in enumerate(metrics):
             if math.isnan(caps[i]):
@@ -126,21 +159,8 @@ class Router:
                     caps[i] = float(m.kv_capacity_tokens)
                 else:
                     caps[i] = self._config_caps[i]
-        led = self.ledger
-        return ClusterSnapshot(
-            now_s=self.clock.now(),
-            backends=self.backends,
-            metrics=metrics,
-            requests_in_flight=_readonly(led.requests_in_flight.copy()),
-            input_tokens_in_flight=_readonly(led.input_tokens_in_flight.copy()),
-            remaining_predicted_tokens=_readonly(led.remaining_predicted_tokens.copy()),
-            generated_tokens_in_flight=_readonly(led.generated_tokens_in_flight.copy()),
-            predicted_output_tokens_in_flight=_readonly(led.predicted_output_tokens_in_flight.copy()),
-            workload=_readonly(led.workload.copy()),
-            prefill_pending_tokens=_readonly(led.prefill_pending_tokens.copy()),
-            available=_readonly(np.array([self._is_available(i) for i in range(n)], dtype=np.bool_)),
-            kv_capacity_tokens=_readonly(caps),
-        )
+        caps.flags.writeable = False
+        return caps
 
     def route(self, features: RequestFeatures, exclude: Collection[int] = ()) -> Ticket:
         """Choose a backend for ``features`` and record the dispatch.
@@ -152,29 +172,30 @@ class Router:
         if not serving:
             raise UnknownModel(features.model)
         started = self._timer()
-        snap = self.snapshot()
-        cand_list = [i for i in serving if snap.available[i] and i not in exclude]
+        snap, available = self._snapshot()
+        cand_list = [i for i in serving if available[i] and i not in exclude]
         if not cand_list:
             raise NoBackendAvailable(features.model)
         candidates: IntArray = np.array(cand_list, dtype=np.int64)
-        decision = self.policy.choose(features, snap, candidates)
-        if decision.index not in cand_list:
+        policy = self.policy
+        decision = policy.choose(features, snap, candidates)
+        index = decision.index
+        if index not in cand_list:
             raise RuntimeError(
-                f"policy {self.policy.name!r} chose backend index {decision.index}, "
-                f"not a candidate {cand_list}"
+                f"policy {policy.name!r} chose backend index {index}, not a candidate {cand_list}"
             )
         ticket = self.ledger.dispatch(
             request_id=features.request_id,
-            backend_index=decision.index,
+            backend_index=index,
             input_tokens=features.input_tokens,
             predicted_output_tokens=features.predicted_output_tokens,
             workload_cost=decision.workload_cost,
             now_s=snap.now_s,
-            policy=self.policy.name,
+            policy=policy.name,
             reason=decision.reason,
         )
         if self._on_decision is not None:
-            self._on_decision(self.policy.name, self.backends[decision.index].name, self._timer() - started)
+            self._on_decision(policy.name, ticket.backend_name, self._timer() - started)
         return ticket
 
     def release(self, ticket: Ticket) -> bool:
