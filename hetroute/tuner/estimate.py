@@ -123,38 +123,20 @@ def estimate_config(
                 f"profiled KV capacity {cap} differs from the computed {feas.kv_capacity_tokens}: "
                 "re-profile if the engine's memory settings changed"
             )
+
+    def infeasible(reason: str) -> ConfigEstimate:
+        return ConfigEstimate(
+            gpu.name, gpus, model_key, tp, instances, False, reason, cap, kv_source, source, path
+        )
+
     requests = inputs.requests
     longest = max(i + o for i, o in requests)
     if longest > cap:
-        return ConfigEstimate(
-            gpu.name,
-            gpus,
-            model_key,
-            tp,
-            instances,
-            False,
-            f"a request of {longest} tokens exceeds the KV capacity {cap}",
-            cap,
-            kv_source,
-            source,
-            path,
-        )
+        return infeasible(f"a request of {longest} tokens exceeds the KV capacity {cap}")
     seqs = engine.max_num_seqs
     alg1 = algorithm1_estimate(profile.params, requests, cap, seqs, instances)
     if len(requests) < instances:
-        return ConfigEstimate(
-            gpu.name,
-            gpus,
-            model_key,
-            tp,
-            instances,
-            False,
-            f"fewer requests ({len(requests)}) than instances",
-            cap,
-            kv_source,
-            source,
-            path,
-        )
+        return infeasible(f"fewer requests ({len(requests)}) than instances")
     run = simulate_machine(profile.params, requests, instances, cap, seqs, engine.batched_tokens())
     note = _sweep_warning(profile, max(alg1.largest_batch, run.mean_batch))
     if note:
