@@ -22,6 +22,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from hetroute.access_log import AccessLog, LineSink
+from hetroute.admission.full import Placer
+from hetroute.admission.gate import AdmissionGate
 from hetroute.backends.health import HealthTracker, probe_loop
 from hetroute.backends.scrape import MetricsStore, scrape_loop
 from hetroute.clock import MonotonicClock
@@ -45,6 +47,7 @@ TELEMETRY = web.AppKey("telemetry", Telemetry)
 FORWARDER = web.AppKey("forwarder", Forwarder)
 PREDICTOR = web.AppKey("predictor", OutputLengthPredictor)
 ESTIMATOR = web.AppKey("estimator", TokenEstimator)
+ADMISSION = web.AppKey("admission", AdmissionGate)
 
 
 def tgi_model_of(cfg: Config, specs: tuple[BackendSpec, ...]) -> str | None:
@@ -110,6 +113,9 @@ def build_app(
         settings=ForwardSettings(t.connect_s, t.first_byte_s, t.idle_s, cfg.retries.max_attempts),
         id_prefix=f"{random.Random(seed).getrandbits(32):08x}",
     )
+    adm = cfg.admission
+    if adm.enabled:
+        forwarder.admission = AdmissionGate(adm, router, Placer(router, adm.full), clock, registry)
     gateway = Gateway(
         forwarder=forwarder,
         router=router,
@@ -132,6 +138,9 @@ def build_app(
     app[FORWARDER] = forwarder
     app[PREDICTOR] = predictor
     app[ESTIMATOR] = estimator
+    if forwarder.admission is not None:
+        app[ADMISSION] = forwarder.admission
+        app.on_cleanup.append(_close_admission)
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_background_tasks)
     add_routes(app, gateway)
@@ -155,6 +164,10 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     forwarder.session = forwarder.fresh_session = None
     await session.close()
     await fresh.close()
+
+
+async def _close_admission(app: web.Application) -> None:
+    app[ADMISSION].close()
 
 
 async def _background_tasks(app: web.Application) -> AsyncIterator[None]:

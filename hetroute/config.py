@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from hetroute.admission.config import AdmissionConfig, parse_admission
 from hetroute.errors import ConfigError
 from hetroute.latency import LatencyProfile, ProfileError, load_profile
 from hetroute.policies import policy_names
@@ -148,6 +149,7 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
     tokens: TokensConfig = field(default_factory=TokensConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     admin_token: str | None = None
     default_model: str | None = None
     seed: int = 0
@@ -247,7 +249,7 @@ _BACKEND_KEYS = (
 _DEFAULTS_KEYS = ("engine", "weight", "labels", "profile", "kv_capacity_tokens", "max_num_seqs")
 _TOP_KEYS = (
     "backends", "defaults", "profiles", "policy", "predictor", "server", "timeouts", "retries",
-    "health", "scrape", "tokens", "admin_token", "default_model", "seed",
+    "health", "scrape", "tokens", "admin_token", "default_model", "seed", "admission",
 )  # fmt: skip
 
 
@@ -465,6 +467,7 @@ def config_from_dict(
         health=_health(root.get("health")),
         scrape=_scrape(root.get("scrape")),
         tokens=_tokens(root.get("tokens")),
+        admission=parse_admission(root.get("admission")),
         admin_token=token,
         default_model=_str(root, "default_model", "<root>", None),
         seed=seed,

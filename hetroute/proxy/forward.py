@@ -30,6 +30,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from hetroute.access_log import AccessLog, AccessRecord
+from hetroute.admission.gate import AdmissionGate
+from hetroute.admission.queue import Shed
 from hetroute.backends.health import HealthTracker
 from hetroute.errors import NoBackendAvailable, UnknownModel
 from hetroute.proxy.api_errors import BACKEND_HEADER, REQUEST_ID_HEADER, ApiError, error_response
@@ -136,6 +138,7 @@ class Forwarder:
         self._ids = itertools.count(1)
         self._watchdogs = Watchdogs()
         self._id_prefix = id_prefix
+        self.admission: AdmissionGate | None = None  # set by the app when the queue is enabled
 
     def next_request_id(self) -> str:
         return f"{self._id_prefix}-{next(self._ids)}"
@@ -156,7 +159,12 @@ class Forwarder:
         try:
             while len(tried) < self.settings.max_attempts:
                 try:
-                    ticket = self.router.route(features, exclude=tried)
+                    if not tried and self.admission is not None:  # the queue is only before the 1st try
+                        ticket = await self.admission.acquire(features, request.headers)
+                    else:
+                        ticket = self.router.route(features, exclude=tried)
+                except Shed as exc:
+                    raise ApiError(429, str(exc), code=exc.reason) from exc
                 except UnknownModel as exc:
                     raise ApiError(404, str(exc), param="model", code="model_not_found") from exc
                 except NoBackendAvailable as exc:
@@ -174,11 +182,16 @@ class Forwarder:
                     failure = f
                 finally:
                     self.router.release(ticket)
+                    if self.admission is not None:
+                        self.admission.wake()  # a completion frees capacity for waiting requests
             assert failure is not None
             return self._exhausted(parsed, failure, rec)
         except ApiError as err:
             rec.status, rec.error = err.status, err.message
-            return error_response(parsed.api, err, backend=rec.backend or "none", request_id=rid)
+            resp = error_response(parsed.api, err, backend=rec.backend or "none", request_id=rid)
+            if isinstance(err.__cause__, Shed):
+                resp.headers["Retry-After"] = str(err.__cause__.retry_after_s)
+            return resp
         except asyncio.CancelledError:
             rec.status, rec.error = 499, "client disconnected"
             raise
