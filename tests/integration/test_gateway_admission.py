@@ -1,0 +1,165 @@
+"""The admission queue through the real gateway: hold, late dispatch, 429 + Retry-After, disconnects.
+
+Each backend is configured with ``max_num_seqs: 1``, so one request in flight makes it "full" and
+the next one waits in the router. After every test the ledger and the queue are exactly empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any
+
+import aiohttp
+
+from hetroute.app import ADMISSION
+from tests.conftest import MODEL, Emu, EmulateFn, Gateway, GatewayFn, backend_entry, eventually, metric_sum
+
+
+def one_seq(emu: Emu) -> dict[str, Any]:
+    return {**backend_entry(emu), "max_num_seqs": 1}
+
+
+def queue_len(gw: Gateway) -> int:
+    return len(gw.app[ADMISSION].queue)
+
+
+def drained(gw: Gateway) -> bool:
+    return gw.ledger.is_zero() and queue_len(gw) == 0
+
+
+async def test_second_request_waits_then_runs_on_the_freed_backend(
+    emulate: EmulateFn, gateway: GatewayFn
+) -> None:
+    emu = await emulate(speedup=20.0)
+    gw = await gateway([one_seq(emu)])
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 20, "stream": True}
+    async with aiohttp.ClientSession() as s:
+
+        async def one() -> bytes:
+            async with s.post(gw.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                return await resp.read()
+
+        first = asyncio.create_task(one())
+        assert await eventually(lambda: gw.ledger.in_flight() == 1)
+        second = asyncio.create_task(one())
+        assert await eventually(lambda: queue_len(gw) == 1)
+        assert gw.ledger.in_flight() == 1  # the queued one is not in the ledger
+        outs = await asyncio.gather(first, second)
+    assert all(o.rstrip().endswith(b"data: [DONE]") for o in outs)
+    assert emu.state.accepted == 2
+    assert await eventually(lambda: drained(gw))
+    assert metric_sum(gw, "hetroute_queue_wait_seconds_count", outcome="dispatched") == 2
+
+
+async def test_queue_full_and_wait_timeout_get_429_with_retry_after(
+    emulate: EmulateFn, gateway: GatewayFn
+) -> None:
+    emu = await emulate(speedup=1.0)  # slow: the first request holds the backend
+    classes = [{"name": "default", "max_queue_len": 1, "max_queue_wait_s": 0.3, "retry_after_s": 7}]
+    gw = await gateway([one_seq(emu)], admission={"classes": classes})
+    long_body = {"model": MODEL, "prompt": "hi", "max_tokens": 2000, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        hold = await s.post(gw.url + "/v1/completions", json=long_body)
+        assert hold.status == 200
+        waiting = asyncio.create_task(s.post(gw.url + "/v1/completions", json=long_body))
+        assert await eventually(lambda: queue_len(gw) == 1)
+        async with s.post(gw.url + "/v1/completions", json=long_body) as full:
+            assert full.status == 429
+            assert full.headers["Retry-After"] == "7"
+            err = json.loads(await full.read())["error"]
+            assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
+        timed_out = await waiting
+        assert timed_out.status == 429
+        assert timed_out.headers["Retry-After"] == "7"
+        assert json.loads(await timed_out.read())["error"]["code"] == "wait_timeout"
+        timed_out.close()
+        hold.close()
+    assert emu.state.accepted == 1  # nothing shed ever reached the backend
+    assert await eventually(lambda: drained(gw) and not emu.state.lives)
+    assert metric_sum(gw, "hetroute_queue_shed_total", reason="queue_full") == 1
+    assert metric_sum(gw, "hetroute_queue_shed_total", reason="wait_timeout") == 1
+
+
+async def test_tgi_client_gets_429_in_tgi_shape(emulate: EmulateFn, gateway: GatewayFn) -> None:
+    emu = await emulate("tgi", speedup=1.0)
+    gw = await gateway([one_seq(emu)], admission={"classes": [{"name": "default", "max_queue_len": 0}]})
+    body = {"inputs": "hi", "parameters": {"max_new_tokens": 2000}}
+    async with aiohttp.ClientSession() as s:
+        hold = await s.post(gw.url + "/generate_stream", json=body)
+        assert hold.status == 200
+        async with s.post(gw.url + "/generate", json=body) as shed:
+            assert shed.status == 429
+            assert shed.headers["Retry-After"] == "60"
+            assert json.loads(await shed.read())["error_type"] == "overloaded"
+        hold.close()
+    assert await eventually(lambda: drained(gw) and not emu.state.lives)
+    assert emu.state.accepted == 1
+
+
+async def test_client_gone_while_queued_leaves_at_once_and_never_reaches_the_ledger(
+    emulate: EmulateFn, gateway: GatewayFn
+) -> None:
+    emu = await emulate(speedup=1.0)
+    gw = await gateway([one_seq(emu)])
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2000, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        hold = await s.post(gw.url + "/v1/completions", json=body)
+        queued = asyncio.create_task(s.post(gw.url + "/v1/completions", json=body))
+        assert await eventually(lambda: queue_len(gw) == 1)
+        queued.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await queued
+        assert await eventually(lambda: queue_len(gw) == 0, timeout_s=1.0)
+        assert int(gw.ledger.dispatched_total.sum()) == 1
+        hold.close()
+    assert await eventually(lambda: drained(gw) and not emu.state.lives)
+    assert emu.state.accepted == 1
+    assert metric_sum(gw, "hetroute_queue_disconnects_total") == 1
+
+
+async def test_priority_header_and_api_key_order_the_queue(emulate: EmulateFn, gateway: GatewayFn) -> None:
+    emu = await emulate(speedup=20.0)
+    admission = {
+        "classes": [{"name": "interactive"}, {"name": "batch", "ageing_s": 60}],
+        "api_keys": {"sk-vip": {"class": "interactive", "tenant": "vip"}},
+    }
+    gw = await gateway([one_seq(emu)], admission=admission)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 30, "stream": False}
+    order: list[str] = []
+    async with aiohttp.ClientSession() as s:
+
+        async def one(tag: str, headers: dict[str, str]) -> None:
+            sent = {**body, "max_tokens": 400} if tag == "hold" else body  # holds the backend ~0.5 s
+            async with s.post(gw.url + "/v1/completions", json=sent, headers=headers) as resp:
+                assert resp.status == 200
+                await resp.read()
+                order.append(tag)
+
+        tasks = [asyncio.create_task(one("hold", {}))]
+        assert await eventually(lambda: gw.ledger.in_flight() == 1)
+        tasks.append(asyncio.create_task(one("batch", {"x-hetroute-priority": "batch"})))
+        assert await eventually(lambda: queue_len(gw) == 1)
+        tasks.append(asyncio.create_task(one("header", {"x-hetroute-priority": "interactive"})))
+        assert await eventually(lambda: queue_len(gw) == 2)
+        tasks.append(asyncio.create_task(one("key", {"Authorization": "Bearer sk-vip"})))
+        assert await eventually(lambda: queue_len(gw) == 3)
+        await asyncio.gather(*tasks)
+    assert order == ["hold", "header", "key", "batch"]
+    assert await eventually(lambda: drained(gw))
+
+
+async def test_queue_off_dispatches_everything_at_once(emulate: EmulateFn, gateway: GatewayFn) -> None:
+    emu = await emulate(speedup=1.0)
+    gw = await gateway([one_seq(emu)], admission={"enabled": False})
+    assert ADMISSION not in gw.app
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2000, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        resps = [await s.post(gw.url + "/v1/completions", json=body) for _ in range(2)]
+        assert [r.status for r in resps] == [200, 200]
+        assert gw.ledger.in_flight() == 2
+        for r in resps:
+            r.close()
+    assert await eventually(lambda: gw.ledger.is_zero() and not emu.state.lives)
