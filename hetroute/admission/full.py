@@ -16,8 +16,8 @@ request r (input ``I``, predicted output ``Õ``) when it has something in flight
 
 A backend with nothing in flight is never full, so a request larger than any backend's
 capacity is still dispatched (the engine then rejects or queues it, as without the queue).
-:meth:`Placer.place` asks the routing policy to choose among the candidates that are not full
-(the policy's own cost model decides where, at dispatch time), or answers None when all are.
+:meth:`Placer.place` asks the routing policy for its choice at dispatch time (late binding)
+and commits it only when that backend is not full.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import numpy as np
 
 from hetroute.admission.config import FullConfig
-from hetroute.errors import NoBackendAvailable, UnknownModel
 from hetroute.policies.backend_model import BackendModels
 from hetroute.routing.ledger import Ticket
 from hetroute.routing.router import Router
@@ -71,20 +70,17 @@ class Placer:
         self.models = models if models is not None else BackendModels.from_specs(router.backends)
 
     def place(self, features: RequestFeatures) -> Ticket | None:
-        """A dispatched ticket, or None when every available candidate is full.
+        """A dispatched ticket, or None when the policy's choice is full (the request waits).
 
-        Raises :class:`UnknownModel` / :class:`NoBackendAvailable` as ``Router.route`` does.
+        The policy chooses among every available candidate, full or not, exactly as without the
+        queue; the queue only delays the dispatch until its choice has room. So a request is
+        never sent to a slow backend merely because it freed a slot first when the policy
+        predicts it finishes sooner by waiting for a faster one (the drain tail at the end of a
+        burst). Raises :class:`UnknownModel` / :class:`NoBackendAvailable` as ``Router.route``.
         """
         router = self.router
-        serving = router.serving(features.model, features.api)
-        if not serving:
-            raise UnknownModel(features.model)
-        snap = router.snapshot()
-        cands = [i for i in serving if snap.available[i]]
-        if not cands:
-            raise NoBackendAvailable(features.model)
-        idx: IntArray = np.array(cands, dtype=np.int64)
-        full = full_mask(self.config, self.models, snap, idx, features)
-        if full.all():
+        decision, snap = router.decide(features)
+        idx: IntArray = np.array([decision.index], dtype=np.int64)
+        if full_mask(self.config, self.models, snap, idx, features)[0]:
             return None
-        return router.route(features, exclude=idx[full].tolist())
+        return router.commit(features, decision, snap.now_s)

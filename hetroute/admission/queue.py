@@ -127,14 +127,16 @@ class AdmissionQueue(Generic[P]):
         return False
 
     def expire(self, now_s: float) -> list[Entry[P]]:
-        """Remove and return every entry whose ``max_queue_wait_s`` has passed at ``now_s``."""
+        """Remove and return every entry whose ``max_queue_wait_s`` has passed at ``now_s``.
+
+        One wait bound per class, so a class's entries expire in queueing order: only the
+        oldest heads are looked at (cheap when nothing expires).
+        """
         out: list[Entry[P]] = []
         for cls in self._classes:
-            if len(cls.fifos):
-                late = [e for e in cls.fifos if e.deadline_s <= now_s]
-                for e in late:
-                    cls.fifos.remove(e)
-                out += late
+            while (oldest := cls.fifos.oldest()) is not None and oldest.deadline_s <= now_s:
+                cls.fifos.remove(oldest)
+                out.append(oldest)
         self._len -= len(out)
         return out
 

@@ -33,6 +33,7 @@ from hetroute.types import (
     IntArray,
     Policy,
     RequestFeatures,
+    RoutingDecision,
     engine_speaks,
 )
 
@@ -168,10 +169,24 @@ class Router:
         Raises :class:`UnknownModel` when no backend serves the model through the API and
         :class:`NoBackendAvailable` when every serving backend is unavailable or excluded.
         """
+        started = self._timer()
+        decision, snap = self.decide(features, exclude)
+        ticket = self.commit(features, decision, snap.now_s)
+        if self._on_decision is not None:
+            self._on_decision(self.policy.name, ticket.backend_name, self._timer() - started)
+        return ticket
+
+    def decide(
+        self, features: RequestFeatures, exclude: Collection[int] = ()
+    ) -> tuple[RoutingDecision, ClusterSnapshot]:
+        """The policy's choice for ``features`` now and the snapshot it saw; nothing is recorded
+        (the admission queue commits it only when the chosen backend is not full).
+
+        Raises like :meth:`route`.
+        """
         serving = self.serving(features.model, features.api)
         if not serving:
             raise UnknownModel(features.model)
-        started = self._timer()
         snap, available = self._snapshot()
         cand_list = [i for i in serving if available[i] and i not in exclude]
         if not cand_list:
@@ -179,24 +194,24 @@ class Router:
         candidates: IntArray = np.array(cand_list, dtype=np.int64)
         policy = self.policy
         decision = policy.choose(features, snap, candidates)
-        index = decision.index
-        if index not in cand_list:
+        if decision.index not in cand_list:
             raise RuntimeError(
-                f"policy {policy.name!r} chose backend index {index}, not a candidate {cand_list}"
+                f"policy {policy.name!r} chose backend index {decision.index}, not a candidate {cand_list}"
             )
-        ticket = self.ledger.dispatch(
+        return decision, snap
+
+    def commit(self, features: RequestFeatures, decision: RoutingDecision, now_s: float) -> Ticket:
+        """Record ``decision`` (from :meth:`decide`) as a dispatch in the ledger."""
+        return self.ledger.dispatch(
             request_id=features.request_id,
-            backend_index=index,
+            backend_index=decision.index,
             input_tokens=features.input_tokens,
             predicted_output_tokens=features.predicted_output_tokens,
             workload_cost=decision.workload_cost,
-            now_s=snap.now_s,
-            policy=policy.name,
+            now_s=now_s,
+            policy=self.policy.name,
             reason=decision.reason,
         )
-        if self._on_decision is not None:
-            self._on_decision(policy.name, ticket.backend_name, self._timer() - started)
-        return ticket
 
     def release(self, ticket: Ticket) -> bool:
         """Release a ticket's accounting; effective exactly once."""

@@ -36,6 +36,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -51,7 +52,10 @@ from hetroute.sim.engine_model import EngineModel, PromptTooLong, StepOutcome
 from hetroute.sim.workload import SimRequest
 from hetroute.types import EngineMetrics, FloatArray, IntArray, OutputLengthPredictor, Policy, RequestFeatures
 
-_STEP_END, _SCRAPE, _ARRIVAL = 0, 1, 2  # also the priority at equal times
+if TYPE_CHECKING:
+    from hetroute.sim.admission_run import SimAdmission
+
+_STEP_END, _SCRAPE, _ARRIVAL, _WAKE = 0, 1, 2, 3  # also the priority at equal times
 
 GATEWAY_SCRAPE_INTERVAL_S = ScrapeConfig().interval_s
 """The gateway's default ``scrape.interval_s``: by default the simulated router sees metrics as stale as
@@ -95,6 +99,8 @@ class SimResult:
     wall_s: float
     ledger_zero: bool
     extra: Mapping[str, float] = field(default_factory=dict)
+    queue_wait_s: FloatArray | None = None
+    """Per request: seconds in the admission queue until dispatch or shed (None without a queue)."""
 
     @property
     def throughput_tokens_per_s(self) -> float:
@@ -196,10 +202,16 @@ class _Run:
 
     def on_arrival(self, k: int, now_s: float) -> list[tuple[float, int, int]]:
         self.arrivals_left -= 1
+        features = self.features_of(k)
+        self._flush_generated()
+        return self.submit(k, self.router.route(features), now_s)
+
+    def features_of(self, k: int) -> RequestFeatures:
+        """Request k as the router sees it: Õ from the predictor, which never sees the true length."""
         req = self.workload[k]
         model = req.model or self.fleet.default_model
         predicted = self.predictor.predict(model, req.input_tokens, req.max_tokens)
-        features = RequestFeatures(
+        return RequestFeatures(
             request_id=req.request_id,
             model=model,
             api="openai",
@@ -208,8 +220,13 @@ class _Run:
             predicted_output_tokens=int(predicted),
             stream=True,
         )
-        self._flush_generated()
-        ticket = self.router.route(features)
+
+    def submit(
+        self, k: int, ticket: Ticket, now_s: float, *, start: bool = True
+    ) -> list[tuple[float, int, int]]:
+        """Hand request k, dispatched as ``ticket``, to its engine (with its TRUE output length);
+        ``start``: an idle engine starts a step at once (else the caller starts it)."""
+        req = self.workload[k]
         e = ticket.backend_index
         self.tickets[k] = ticket
         self.backend_index[k] = e
@@ -222,8 +239,17 @@ class _Run:
             self.router.release(ticket)
             self.rejected += 1
             return []
-        if self.pending[e] is None:
+        if start and self.pending[e] is None:
             return self._start_step(e, now_s)
+        return []
+
+    def on_wake(self, now_s: float) -> list[tuple[float, int, int]]:
+        """A timer an admission queue asked for (admission_run.py); nothing here."""
+        return []
+
+    def refill(self, now_s: float) -> list[tuple[float, int, int]]:
+        """Called after a step's completions are released, before the engine plans its next step
+        (an admission queue dispatches here, so a freed slot is refilled in the same step)."""
         return []
 
     def on_step_end(self, e: int, now_s: float) -> list[tuple[float, int, int]]:
@@ -251,9 +277,10 @@ class _Run:
             self.e2e_s[k] = now_s - req.arrival_s
             self.last_finish_s[e] = now_s
             self.predictor.observe(req.model or self.fleet.default_model, req.input_tokens, self.generated[k])
-        if self.engines[e].has_work():
-            return self._start_step(e, now_s)
-        return []
+        events = self.refill(now_s)
+        if self.pending[e] is None and self.engines[e].has_work():
+            events += self._start_step(e, now_s)
+        return events
 
     def on_scrape(self, now_s: float) -> list[tuple[float, int, int]]:
         for i, engine in enumerate(self.engines):
@@ -261,6 +288,10 @@ class _Run:
         if self.arrivals_left > 0 or any(p is not None for p in self.pending):
             return [(now_s + self.scrape_interval_s, _SCRAPE, 0)]
         return []
+
+    def admission_result(self) -> dict[str, Any]:
+        """Extra :class:`SimResult` fields of an admission run (none here)."""
+        return {}
 
     def _flush_generated(self) -> None:
         if not self.dirty:
@@ -294,6 +325,8 @@ class _Run:
                 new = self.on_step_end(index, now_s)
             elif kind == _ARRIVAL:
                 new = self.on_arrival(index, now_s)
+            elif kind == _WAKE:
+                new = self.on_wake(now_s)
             else:
                 new = self.on_scrape(now_s)
             for t, kd, idx in new:
@@ -313,6 +346,7 @@ def run_simulation(
     seed: int = 0,
     scrape_interval_s: float = GATEWAY_SCRAPE_INTERVAL_S,
     label: str | None = None,
+    admission: SimAdmission | None = None,
 ) -> SimResult:
     """Simulate ``workload`` (sorted by arrival) on ``cluster`` routed by ``policy_name``.
 
@@ -321,6 +355,7 @@ def run_simulation(
     registry name (built with ``policy_params`` by ``build_policy``) or a ready :class:`Policy`
     object (``policy_params`` ignored; it must be fresh, policies keep private state). The policy and
     predictor get ``seed``. ``label`` names the run in the result (default: the policy's name).
+    ``admission`` puts the gateway's admission queue in front of the router (admission_run.py).
     """
     if scrape_interval_s < 0 or not math.isfinite(scrape_interval_s):
         raise ConfigError("scrape_interval_s", f"must be a finite number >= 0, got {scrape_interval_s}")
@@ -344,7 +379,10 @@ def run_simulation(
     router = Router(
         fleet.backends, policy, ledger, clock, latest_metrics=lambda i: holder[0].latest_metrics(i)
     )
-    run = _Run(fleet, workload, router, pred, clock, scrape_interval_s)
+    if admission is None:
+        run = _Run(fleet, workload, router, pred, clock, scrape_interval_s)
+    else:
+        run = admission.make_run(fleet, workload, router, pred, clock, scrape_interval_s)
     holder.append(run)
     started = time.perf_counter()
     events = run.run()
@@ -397,4 +435,5 @@ def _result(run: _Run, label: str, predictor: str, events: int, wall_s: float) -
         events=events,
         wall_s=wall_s,
         ledger_zero=run.router.ledger.is_zero(),
+        **run.admission_result(),
     )
