@@ -58,7 +58,9 @@ class FullConfig:
     """
 
     kv_high_water_frac: float = 1.0
-    seqs_high_water_frac: float = 1.0
+    seqs_high_water_frac: float = 1.5
+    max_drain_s: float | None = None
+    spill_margin: float = 2.0
     engine_waiting_max: int | None = None
 
 
@@ -103,7 +105,9 @@ _KEYS = (
 )  # fmt: skip
 _CLASS_KEYS = ("name", "max_queue_len", "max_queue_wait_s", "ageing_s", "retry_after_s")
 _DEFAULT = AdmissionConfig()
-_FULL_KEYS = ("kv_high_water_frac", "seqs_high_water_frac", "engine_waiting_max")
+_FULL_KEYS = (
+    "kv_high_water_frac", "seqs_high_water_frac", "max_drain_s", "spill_margin", "engine_waiting_max",
+)  # fmt: skip
 
 
 def _mapping(value: Any, path: str) -> Mapping[str, Any]:
@@ -168,6 +172,8 @@ def _full(raw: Any) -> FullConfig:
     return FullConfig(
         kv_high_water_frac=_pos(d, "kv_high_water_frac", "admission.full", dflt.kv_high_water_frac),
         seqs_high_water_frac=_pos(d, "seqs_high_water_frac", "admission.full", dflt.seqs_high_water_frac),
+        max_drain_s=_pos(d, "max_drain_s", "admission.full", 1.0) if "max_drain_s" in d else None,
+        spill_margin=_pos(d, "spill_margin", "admission.full", dflt.spill_margin),
         engine_waiting_max=_count(d, "engine_waiting_max", "admission.full", None, 0),
     )
 

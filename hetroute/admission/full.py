@@ -45,6 +45,8 @@ def full_mask(
     kv = snapshot.kv_tokens_in_flight[idx] + need > config.kv_high_water_frac * cap
     seqs = snapshot.requests_in_flight[idx] >= config.seqs_high_water_frac * models.max_num_seqs[idx]
     full: BoolArray = kv | seqs
+    if config.max_drain_s is not None:
+        full = full | (snapshot.workload[idx] >= config.max_drain_s)
     if config.engine_waiting_max is not None:
         limit = config.engine_waiting_max
         waiting = np.array(
@@ -69,18 +71,52 @@ class Placer:
         self.config = config
         self.models = models if models is not None else BackendModels.from_specs(router.backends)
 
-    def place(self, features: RequestFeatures) -> Ticket | None:
-        """A dispatched ticket, or None when the policy's choice is full (the request waits).
+    def place(self, features: RequestFeatures, waiting: int = 1) -> Ticket | None:
+        """A dispatched ticket, or None when the request must wait.
 
-        The policy chooses among every available candidate, full or not, exactly as without the
-        queue; the queue only delays the dispatch until its choice has room. So a request is
-        never sent to a slow backend merely because it freed a slot first when the policy
-        predicts it finishes sooner by waiting for a faster one (the drain tail at the end of a
-        burst). Raises :class:`UnknownModel` / :class:`NoBackendAvailable` as ``Router.route``.
+        ``waiting`` is how many requests wait in the queue (this one included). The policy first
+        chooses among every available candidate, full or not, exactly as without the queue; if
+        its choice has room, that is the dispatch. If the choice is full, the policy chooses again
+        among the backends that are not full (the *spill*), and the request goes there only when
+        it would finish there before the full backends can work off the backlog:
+
+            spill_margin · lat_s(r) <= waiting / Σ_{f full} 1/T_r^f + lat_c(r)
+
+        (``lat``: the cost model's latency of r joining the backend's batch; ``T_r^f``: its
+        amortised time on a saturated f, method.md §5; c the first choice). So under a backlog
+        every backend is kept busy, and when the backlog is short a slow backend does not take
+        a request that a fast one would finish sooner (the drain tail). Raises
+        :class:`UnknownModel` / :class:`NoBackendAvailable` as ``Router.route`` does.
         """
         router = self.router
         decision, snap = router.decide(features)
-        idx: IntArray = np.array([decision.index], dtype=np.int64)
-        if full_mask(self.config, self.models, snap, idx, features)[0]:
+        cands = [i for i in router.serving(features.model, features.api) if snap.available[i]]
+        idx: IntArray = np.array(cands, dtype=np.int64)
+        full = full_mask(self.config, self.models, snap, idx, features)
+        if not full[cands.index(decision.index)]:
+            return router.commit(features, decision, snap.now_s)
+        if full.all():
             return None
-        return router.commit(features, decision, snap.now_s)
+        spill, snap = router.decide(features, exclude=idx[full].tolist())
+        if self._finishes_in_time(features, snap, idx[full], spill.index, decision.index, waiting):
+            return router.commit(features, spill, snap.now_s)
+        return None
+
+    def _finishes_in_time(
+        self,
+        features: RequestFeatures,
+        snap: ClusterSnapshot,
+        full: IntArray,
+        spill: int,
+        first: int,
+        waiting: int,
+    ) -> bool:
+        models = self.models
+        i, o = features.input_tokens, features.predicted_output_tokens
+        amortised = models.amortised_request_s(full, i, o, models.capacity_tokens(snap, full))
+        rate = float(np.sum(1.0 / np.maximum(amortised, 1e-9)))
+        pair: IntArray = np.array([spill, first], dtype=np.int64)
+        n = snap.requests_in_flight[pair].astype(np.float64)
+        context = np.where(n > 0, snap.kv_tokens_in_flight[pair] / np.maximum(n, 1.0), 0.0)
+        lat = models.request_latency_s(pair, i, o, n + 1.0, context)
+        return bool(self.config.spill_margin * lat[0] <= max(waiting, 1) / rate + lat[1])

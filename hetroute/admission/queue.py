@@ -82,7 +82,8 @@ class PumpResult(Generic[P]):
     failed: list[tuple[Entry[P], HetrouteError]] = field(default_factory=list)
 
 
-PlaceFn = Callable[[RequestFeatures], "Ticket | None"]
+PlaceFn = Callable[[RequestFeatures, int], "Ticket | None"]
+"""``place(features, waiting)``: dispatch now (a ticket) or None; ``waiting`` counts it too."""
 
 
 class AdmissionQueue(Generic[P]):
@@ -175,7 +176,7 @@ class AdmissionQueue(Generic[P]):
             entry = self._select(now_s)
             assert entry is not None
             try:
-                ticket = place(entry.features)
+                ticket = place(entry.features, self._len)
             except HetrouteError as exc:  # unknown model, no available backend: the waiter gets it
                 self._leave(entry, now_s, charge=False)
                 result.failed.append((entry, exc))

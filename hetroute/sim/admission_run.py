@@ -7,10 +7,10 @@ as the gateway's :class:`~hetroute.admission.gate.AdmissionGate`:
 
 - an arrival is dispatched at once when nothing waits and a backend is not full, otherwise it
   is queued (or shed with ``queue_full``);
-- every step end (completions free capacity; before the engine plans its next step), every scrape and a timer at the earliest wait
-  deadline pump the queue: expired requests are shed (``wait_timeout``), then requests leave in
-  priority / ageing / weighted-fair order while a backend is not full, each placed by the
-  policy at that moment (late binding).
+- every step end (completions free capacity; before the engine plans its next step), every
+  scrape and a timer at the earliest wait deadline pump the queue: expired requests are shed
+  (``wait_timeout``), then requests leave in priority / ageing / weighted-fair order while
+  the policy's choice is not full, each placed by the policy at that moment (late binding).
 
 A shed request never reaches an engine or the ledger; its TTFT and end-to-end time stay NaN
 and it is counted in ``SimResult.extra["shed_<reason>"]``. Per request, ``queue_wait_s`` is the

@@ -1,7 +1,8 @@
 """The admission queue through the real gateway: hold, late dispatch, 429 + Retry-After, disconnects.
 
-Each backend is configured with ``max_num_seqs: 1``, so one request in flight makes it "full" and
-the next one waits in the router. After every test the ledger and the queue are exactly empty.
+Each backend is configured with ``max_num_seqs: 1`` (and ``seqs_high_water_frac: 1``), so one
+request in flight makes it "full" and the next one waits in the router. After every test the
+ledger and the queue are exactly empty.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ def one_seq(emu: Emu) -> dict[str, Any]:
     return {**backend_entry(emu), "max_num_seqs": 1}
 
 
+ONE = {"full": {"seqs_high_water_frac": 1.0}}  # with max_num_seqs 1: one in flight is full
+
+
 def queue_len(gw: Gateway) -> int:
     return len(gw.app[ADMISSION].queue)
 
@@ -33,7 +37,7 @@ async def test_second_request_waits_then_runs_on_the_freed_backend(
     emulate: EmulateFn, gateway: GatewayFn
 ) -> None:
     emu = await emulate(speedup=20.0)
-    gw = await gateway([one_seq(emu)])
+    gw = await gateway([one_seq(emu)], admission=ONE)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 20, "stream": True}
     async with aiohttp.ClientSession() as s:
 
@@ -59,7 +63,7 @@ async def test_queue_full_and_wait_timeout_get_429_with_retry_after(
 ) -> None:
     emu = await emulate(speedup=1.0)  # slow: the first request holds the backend
     classes = [{"name": "default", "max_queue_len": 1, "max_queue_wait_s": 0.3, "retry_after_s": 7}]
-    gw = await gateway([one_seq(emu)], admission={"classes": classes})
+    gw = await gateway([one_seq(emu)], admission={**ONE, "classes": classes})
     long_body = {"model": MODEL, "prompt": "hi", "max_tokens": 2000, "stream": True}
     async with aiohttp.ClientSession() as s:
         hold = await s.post(gw.url + "/v1/completions", json=long_body)
@@ -85,7 +89,8 @@ async def test_queue_full_and_wait_timeout_get_429_with_retry_after(
 
 async def test_tgi_client_gets_429_in_tgi_shape(emulate: EmulateFn, gateway: GatewayFn) -> None:
     emu = await emulate("tgi", speedup=1.0)
-    gw = await gateway([one_seq(emu)], admission={"classes": [{"name": "default", "max_queue_len": 0}]})
+    no_queue = [{"name": "default", "max_queue_len": 0}]
+    gw = await gateway([one_seq(emu)], admission={**ONE, "classes": no_queue})
     body = {"inputs": "hi", "parameters": {"max_new_tokens": 2000}}
     async with aiohttp.ClientSession() as s:
         hold = await s.post(gw.url + "/generate_stream", json=body)
@@ -103,7 +108,7 @@ async def test_client_gone_while_queued_leaves_at_once_and_never_reaches_the_led
     emulate: EmulateFn, gateway: GatewayFn
 ) -> None:
     emu = await emulate(speedup=1.0)
-    gw = await gateway([one_seq(emu)])
+    gw = await gateway([one_seq(emu)], admission=ONE)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2000, "stream": True}
     async with aiohttp.ClientSession() as s:
         hold = await s.post(gw.url + "/v1/completions", json=body)
@@ -123,6 +128,7 @@ async def test_client_gone_while_queued_leaves_at_once_and_never_reaches_the_led
 async def test_priority_header_and_api_key_order_the_queue(emulate: EmulateFn, gateway: GatewayFn) -> None:
     emu = await emulate(speedup=20.0)
     admission = {
+        **ONE,
         "classes": [{"name": "interactive"}, {"name": "batch", "ageing_s": 60}],
         "api_keys": {"sk-vip": {"class": "interactive", "tenant": "vip"}},
     }
