@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from hetroute.errors import ConfigError
 
@@ -31,6 +31,12 @@ class ClassConfig:
     ``ageing_s``: starvation bound: when this class has waited ``ageing_s`` without any of its
     requests being dispatched, its head goes before every higher class (once).
     ``retry_after_s``: the ``Retry-After`` sent with a 429 (default: ``max_queue_wait_s`` rounded up).
+    ``fill_frac``: the share of each backend's high-water marks (KV, sequences, drain) this class may
+    fill; below 1 it leaves headroom that only higher classes use, so their requests start at once
+    instead of queueing inside a saturated engine (default 1 for the first class, 0.9 below it).
+    ``placement``: ``policy`` (the routing policy's choice, late-bound; the default) or
+    ``first_token`` (the free backend with the smallest predicted time to first token: for
+    interactive classes on fleets whose slow backends have long steps under load).
     """
 
     name: str = DEFAULT_CLASS
@@ -38,6 +44,8 @@ class ClassConfig:
     max_queue_wait_s: float = 60.0
     ageing_s: float = 5.0
     retry_after_s: int | None = None
+    fill_frac: float = 1.0
+    placement: Literal["policy", "first_token"] = "policy"
 
     @property
     def retry_after(self) -> int:
@@ -103,7 +111,15 @@ _KEYS = (
     "enabled", "classes", "default_class", "class_header", "tenant_header", "tenants",
     "default_tenant_weight", "api_keys", "full", "recheck_s",
 )  # fmt: skip
-_CLASS_KEYS = ("name", "max_queue_len", "max_queue_wait_s", "ageing_s", "retry_after_s")
+_CLASS_KEYS = (
+    "name",
+    "max_queue_len",
+    "max_queue_wait_s",
+    "ageing_s",
+    "retry_after_s",
+    "fill_frac",
+    "placement",
+)
 _DEFAULT = AdmissionConfig()
 _FULL_KEYS = (
     "kv_high_water_frac", "seqs_high_water_frac", "max_drain_s", "spill_margin", "engine_waiting_max",
@@ -149,7 +165,7 @@ def _name(data: Mapping[str, Any], key: str, path: str, default: str | None) -> 
     return value
 
 
-def _class(raw: Any, path: str) -> ClassConfig:
+def _class(raw: Any, path: str, first: bool) -> ClassConfig:
     d = _mapping(raw, path)
     _only(d, _CLASS_KEYS, path)
     name = _name(d, "name", path, None)
@@ -162,7 +178,17 @@ def _class(raw: Any, path: str) -> ClassConfig:
         max_queue_wait_s=_pos(d, "max_queue_wait_s", path, dflt.max_queue_wait_s),
         ageing_s=_pos(d, "ageing_s", path, dflt.ageing_s),
         retry_after_s=_count(d, "retry_after_s", path, None, 0),
+        fill_frac=_pos(d, "fill_frac", path, 1.0 if first else 0.9),
+        placement=_placement(d.get("placement", "policy"), f"{path}.placement"),
     )
+
+
+def _placement(value: Any, path: str) -> Literal["policy", "first_token"]:
+    if value == "policy":
+        return "policy"
+    if value == "first_token":
+        return "first_token"
+    raise ConfigError(path, f"expected policy or first_token, got {value!r}")
 
 
 def _full(raw: Any) -> FullConfig:
@@ -202,10 +228,13 @@ def parse_admission(raw: Any) -> AdmissionConfig:
     if classes_raw is None:
         classes: tuple[ClassConfig, ...] = (ClassConfig(),)
     elif isinstance(classes_raw, list) and classes_raw:
-        classes = tuple(_class(c, f"admission.classes[{i}]") for i, c in enumerate(classes_raw))
+        classes = tuple(_class(c, f"admission.classes[{i}]", i == 0) for i, c in enumerate(classes_raw))
     else:
         raise ConfigError("admission.classes", "expected a non-empty list of classes, highest priority first")
     names = tuple(c.name for c in classes)
+    for i, c in enumerate(classes):
+        if c.fill_frac > 1:
+            raise ConfigError(f"admission.classes[{i}].fill_frac", f"must be <= 1, got {c.fill_frac}")
     for i, n in enumerate(names):
         if n in names[:i]:
             raise ConfigError(f"admission.classes[{i}].name", f"duplicate class name {n!r}")

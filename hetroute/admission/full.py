@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from hetroute.admission.config import FullConfig
+from hetroute.admission.config import ClassConfig, FullConfig
 from hetroute.policies.backend_model import BackendModels
 from hetroute.routing.ledger import Ticket
 from hetroute.routing.router import Router
-from hetroute.types import BoolArray, ClusterSnapshot, IntArray, RequestFeatures
+from hetroute.types import BoolArray, ClusterSnapshot, FloatArray, IntArray, RequestFeatures
 
 
 def full_mask(
@@ -37,16 +37,20 @@ def full_mask(
     snapshot: ClusterSnapshot,
     idx: IntArray,
     features: RequestFeatures,
+    fill_frac: float = 1.0,
 ) -> BoolArray:
-    """For each backend in ``idx``: True when it is full for ``features`` (module docstring)."""
+    """For each backend in ``idx``: True when it is full for ``features`` (module docstring), with
+    every high-water mark scaled by ``fill_frac`` (the request's class share)."""
     busy = snapshot.requests_in_flight[idx] > 0
     need = float(features.input_tokens + features.predicted_output_tokens)
     cap = models.capacity_tokens(snapshot, idx)
-    kv = snapshot.kv_tokens_in_flight[idx] + need > config.kv_high_water_frac * cap
-    seqs = snapshot.requests_in_flight[idx] >= config.seqs_high_water_frac * models.max_num_seqs[idx]
+    kv = snapshot.kv_tokens_in_flight[idx] + need > fill_frac * config.kv_high_water_frac * cap
+    seqs = (
+        snapshot.requests_in_flight[idx] >= fill_frac * config.seqs_high_water_frac * models.max_num_seqs[idx]
+    )
     full: BoolArray = kv | seqs
     if config.max_drain_s is not None:
-        full = full | (snapshot.workload[idx] >= config.max_drain_s)
+        full = full | (snapshot.workload[idx] >= fill_frac * config.max_drain_s)
     if config.engine_waiting_max is not None:
         limit = config.engine_waiting_max
         waiting = np.array(
@@ -71,10 +75,11 @@ class Placer:
         self.config = config
         self.models = models if models is not None else BackendModels.from_specs(router.backends)
 
-    def place(self, features: RequestFeatures, waiting: int = 1) -> Ticket | None:
+    def place(self, features: RequestFeatures, waiting: int, klass: ClassConfig) -> Ticket | None:
         """A dispatched ticket, or None when the request must wait.
 
-        ``waiting`` is how many requests wait in the queue (this one included). The policy first
+        ``waiting`` is how many requests wait in the queue (this one included); ``klass`` is the
+        request's priority class (its ``fill_frac`` scales the high-water marks). The policy first
         chooses among every available candidate, full or not, exactly as without the queue; if
         its choice has room, that is the dispatch. If the choice is full, the policy chooses again
         among the backends that are not full (the *spill*), and the request goes there only when
@@ -85,22 +90,47 @@ class Placer:
         (``lat``: the cost model's latency of r joining the backend's batch; ``T_r^f``: its
         amortised time on a saturated f, method.md §5; c the first choice). So under a backlog
         every backend is kept busy, and when the backlog is short a slow backend does not take
-        a request that a fast one would finish sooner (the drain tail). Raises
-        :class:`UnknownModel` / :class:`NoBackendAvailable` as ``Router.route`` does.
+        a request that a fast one would finish sooner (the drain tail).
+
+        A class with ``placement: first_token`` instead goes to the backend, among those that are
+        not full, with the smallest predicted time to first token (:meth:`_first_token_s`); the
+        policy still prices it there. Raises :class:`UnknownModel` / :class:`NoBackendAvailable`
+        as ``Router.route`` does.
         """
         router = self.router
         decision, snap = router.decide(features)
         cands = [i for i in router.serving(features.model, features.api) if snap.available[i]]
         idx: IntArray = np.array(cands, dtype=np.int64)
-        full = full_mask(self.config, self.models, snap, idx, features)
-        if not full[cands.index(decision.index)]:
-            return router.commit(features, decision, snap.now_s)
+        full = full_mask(self.config, self.models, snap, idx, features, klass.fill_frac)
         if full.all():
             return None
+        if klass.placement == "first_token":
+            free = idx[~full]
+            best = int(free[np.argmin(self._first_token_s(features, snap, free))])
+            if best != decision.index:
+                decision, snap = router.decide(features, exclude=[i for i in cands if i != best])
+            return router.commit(features, decision, snap.now_s)
+        if not full[cands.index(decision.index)]:
+            return router.commit(features, decision, snap.now_s)
         spill, snap = router.decide(features, exclude=idx[full].tolist())
         if self._finishes_in_time(features, snap, idx[full], spill.index, decision.index, waiting):
             return router.commit(features, spill, snap.now_s)
         return None
+
+    def _first_token_s(self, features: RequestFeatures, snap: ClusterSnapshot, idx: IntArray) -> FloatArray:
+        """Predicted TTFT on each backend of ``idx``: the prompts queued before it (``p1 · P_s``),
+        its own prefill, and one decode step of the running batch (method.md §3)."""
+        models = self.models
+        n = snap.requests_in_flight[idx].astype(np.float64)
+        context = np.where(n > 0, snap.kv_tokens_in_flight[idx] / np.maximum(n, 1.0), 0.0)
+        p = models.params[idx]
+        step = p[:, 4] * n * context + p[:, 5] * n + p[:, 6] * context + p[:, 7]
+        out: FloatArray = (
+            models.prefill_queue_s(idx, snap.prefill_pending_tokens[idx])
+            + models.prefill_s(idx, features.input_tokens)
+            + np.where(n > 0, np.maximum(step, 0.0), 0.0)
+        )
+        return out
 
     def _finishes_in_time(
         self,

@@ -87,7 +87,7 @@ class AdmissionGate:
         class_index, tenant = self.classify(headers)
         name = self._names[class_index]
         if not len(self.queue):
-            ticket = self.placer.place(features)
+            ticket = self.placer.place(features, 1, self.queue.class_config(class_index))
             if ticket is not None:
                 self.metrics.wait.labels(name, "dispatched").observe(0.0)
                 return ticket

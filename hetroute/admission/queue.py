@@ -82,8 +82,9 @@ class PumpResult(Generic[P]):
     failed: list[tuple[Entry[P], HetrouteError]] = field(default_factory=list)
 
 
-PlaceFn = Callable[[RequestFeatures, int], "Ticket | None"]
-"""``place(features, waiting)``: dispatch now (a ticket) or None; ``waiting`` counts it too."""
+PlaceFn = Callable[[RequestFeatures, int, ClassConfig], "Ticket | None"]
+"""``place(features, waiting, klass)``: dispatch now (a ticket) or None; ``waiting`` counts this
+request too; ``klass`` is its priority class."""
 
 
 class AdmissionQueue(Generic[P]):
@@ -176,7 +177,7 @@ class AdmissionQueue(Generic[P]):
             entry = self._select(now_s)
             assert entry is not None
             try:
-                ticket = place(entry.features, self._len)
+                ticket = place(entry.features, self._len, self._classes[entry.class_index].config)
             except HetrouteError as exc:  # unknown model, no available backend: the waiter gets it
                 self._leave(entry, now_s, charge=False)
                 result.failed.append((entry, exc))

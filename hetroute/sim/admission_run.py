@@ -89,11 +89,11 @@ class AdmittedRun(_Run):
         self.arrivals_left -= 1
         features = self.features_of(k)
         self._flush_generated()
+        class_index, tenant = self.labels[k]
         if not len(self.queue):
-            ticket = self.placer.place(features)
+            ticket = self.placer.place(features, 1, self.queue.class_config(class_index))
             if ticket is not None:
                 return self.submit(k, ticket, now_s)
-        class_index, tenant = self.labels[k]
         try:
             self.queue.offer(features, class_index, tenant, k, now_s)
         except Shed as shed:

@@ -28,7 +28,9 @@ class Slots:
         self.ledger = Ledger(["b"])
         self.placed: list[str] = []
 
-    def __call__(self, f: RequestFeatures, waiting: int = 1) -> Ticket | None:
+    def __call__(
+        self, f: RequestFeatures, waiting: int = 1, klass: ClassConfig | None = None
+    ) -> Ticket | None:
         if self.free <= 0:
             return None
         self.free -= 1
@@ -123,7 +125,7 @@ def test_a_placement_error_goes_to_its_waiter_and_the_pump_goes_on() -> None:
     q.offer(feat(), 0, "t", "good", 0.0)
     slots = Slots(1)
 
-    def place(f: RequestFeatures, waiting: int) -> Ticket | None:
+    def place(f: RequestFeatures, waiting: int, klass: ClassConfig) -> Ticket | None:
         if f is bad:
             raise NoBackendAvailable("m")
         return slots(f)
