@@ -180,6 +180,11 @@ def build_tasks(args: argparse.Namespace, cap_rps: Mapping[tuple[str, int], floa
             tasks += [
                 Task(label="default", **inf),  # type: ignore[arg-type]
                 Task(label="default + queue", queue=True, **inf),  # type: ignore[arg-type]
+                Task(
+                    label="default + queue, seqs 2x",
+                    queue=True,
+                    **{**inf, "full": {**args.full, "seqs_high_water_frac": 2.0}},  # type: ignore[arg-type]
+                ),
                 Task(label="paper (workload_minmax)", policy="workload_minmax", **inf),  # type: ignore[arg-type]
                 Task(label="paper + queue", policy="workload_minmax", queue=True, **inf),  # type: ignore[arg-type]
                 Task(label="default, no profile", profile=False, **inf),  # type: ignore[arg-type]

@@ -66,7 +66,7 @@ class FullConfig:
     """
 
     kv_high_water_frac: float = 1.0
-    seqs_high_water_frac: float = 1.5
+    seqs_high_water_frac: float = 1.0
     max_drain_s: float | None = None
     spill_margin: float = 2.0
     engine_waiting_max: int | None = None
