@@ -61,8 +61,10 @@ class FullConfig:
     ``kv_high_water_frac``: full when the ledger's KV estimate (Σ I + generated + remaining Õ of
     in-flight requests) plus this request's I + Õ exceeds this fraction of the KV capacity.
     ``seqs_high_water_frac``: full when in-flight requests reach this fraction of ``max_num_seqs``
-    (when known). ``engine_waiting_max``: when set, also full while the engine's last scrape reports
-    more than this many waiting requests. A backend with nothing in flight is never full.
+    (when known). ``engine_waiting_max``: also full while the engine's last scrape reports more than
+    this many waiting requests (None: 0, on the backends whose ``max_num_seqs`` is unknown only).
+    ``max_drain_s``: also full when the policy's load ``L_s`` reaches it. ``spill_margin``: see
+    ``Placer.place``. A backend with nothing in flight is never full.
     """
 
     kv_high_water_frac: float = 1.0

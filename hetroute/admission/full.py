@@ -11,8 +11,8 @@ request r (input ``I``, predicted output ``Õ``) when it has something in flight
   every in-flight request can still grow to its predicted length without preemption: the
   engine's batch is kept just full and its own waiting queue near empty;
 - **sequences**: in-flight requests ``>= seqs_high_water_frac · max_num_seqs_s`` (when known);
-- **engine queue** (optional, ``engine_waiting_max``): the last scrape reports more waiting
-  requests than that.
+- **engine queue**: the last scrape reports more waiting requests than ``engine_waiting_max``
+  (by default 0, and only on backends whose ``max_num_seqs`` is unknown).
 
 A backend with nothing in flight is never full, so a request larger than any backend's
 capacity is still dispatched (the engine then rejects or queues it, as without the queue).
@@ -51,8 +51,14 @@ def full_mask(
     full: BoolArray = kv | seqs
     if config.max_drain_s is not None:
         full = full | (snapshot.workload[idx] >= fill_frac * config.max_drain_s)
+    # Engine queue: on every backend with an explicit limit; by default (None) with limit 0 on the
+    # backends whose max_num_seqs is unknown (no config, profile or prior), where the sequence test
+    # cannot see that the engine is queueing.
     if config.engine_waiting_max is not None:
-        limit = config.engine_waiting_max
+        limit, where = config.engine_waiting_max, np.ones(idx.size, dtype=np.bool_)
+    else:
+        limit, where = 0, ~np.isfinite(models.max_num_seqs[idx])
+    if where.any():
         waiting = np.array(
             [
                 (m := snapshot.metrics[i]) is not None
@@ -62,7 +68,7 @@ def full_mask(
             ],
             dtype=np.bool_,
         )
-        full = full | waiting
+        full = full | (waiting & where)
     out: BoolArray = busy & full
     return out
 

@@ -1,0 +1,335 @@
+"""Admission control through the real gateway: ``hetroute serve`` in front of ``hetroute emulate`` servers.
+
+Usage: ``python benchmarks/admission_gateway.py [--requests 400] [--speedup 2] [--overload-s 40]``.
+Writes ``benchmarks/results/admission_gateway.{json,md}``.
+
+paper-a only (two emulated vLLM servers: Llama-3-8B on V100-SXM2-32GB at TP4 and TP1; fresh
+processes per run; the process set-up is ``policies_gateway.py``'s). Runs:
+
+- **rate ∞**: ``--requests`` streamed ShareGPT-like requests at t = 0 (``max_tokens`` = the true
+  length, ``ignore_eos``), the default policy with the queue on and off, and the paper's scheduler
+  (``workload_minmax``) without it; throughput against the simulator's capacity bound for the same
+  requests (Σ standalone, ``single`` policy);
+- **1.5× overload** for ``--overload-s`` model seconds with two classes (20 % interactive, header
+  ``x-hetroute-priority``) and two tenants (``x-hetroute-tenant`` a/b, weights 3:1), queue on and
+  off: interactive p99 TTFT against an unloaded run (0.3×), batch max wait, tenant shares of
+  completed batch tokens, 429s (each with ``Retry-After``), and that every request either
+  completed or got a 429.
+
+Times are model seconds (wall × speedup). Caveat: gateway, emulators and client share 2 cores with
+other jobs; CPU contention shows up as latency the simulator does not have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from policies_gateway import ADMIN_TOKEN, BACKENDS, HETROUTE, MODEL, free_port, wait_ready  # noqa: E402
+
+from hetroute.sim.workload import SimRequest, generate_workload  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CLASSES = [
+    {"name": "interactive", "max_queue_len": 1024, "max_queue_wait_s": 10.0, "placement": "first_token"},
+    {"name": "batch", "max_queue_len": 4096, "max_queue_wait_s": 30.0, "ageing_s": 5.0},
+]
+
+
+async def one(
+    session: aiohttp.ClientSession, url: str, req: SimRequest, headers: dict[str, str], start: float, k: float
+) -> dict[str, Any]:
+    await asyncio.sleep(max(0.0, start + req.arrival_s / k - time.monotonic()))
+    sent = time.monotonic()
+    body = {
+        "model": MODEL,
+        "prompt": "x" * (4 * req.input_tokens),
+        "max_tokens": req.output_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    first = math.nan
+    try:
+        async with session.post(
+            url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=900)
+        ) as r:
+            if r.status != 200:
+                await r.read()
+                return {
+                    "status": r.status,
+                    "retry_after": r.headers.get("Retry-After"),
+                    "wait_s": (time.monotonic() - sent) * k,
+                }
+            async for _ in r.content.iter_any():
+                if math.isnan(first):
+                    first = time.monotonic()
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return {"status": -1, "error": type(exc).__name__}
+    return {"status": 200, "ttft_s": (first - sent) * k, "end_s": (time.monotonic() - start) * k}
+
+
+async def run(
+    label: str,
+    policy: str,
+    admission: dict[str, Any],
+    work: Sequence[SimRequest],
+    heads: Sequence[dict[str, str]],
+    k: float,
+) -> dict[str, Any]:
+    procs: list[asyncio.subprocess.Process] = []
+    tmp = Path(tempfile.mkdtemp(prefix="hetroute-adm-"))
+    try:
+        backends = []
+        for name, tp in BACKENDS:
+            port = free_port()
+            cmd = [
+                *HETROUTE,
+                "emulate",
+                "--gpu",
+                "V100-SXM2-32GB",
+                "--model",
+                MODEL,
+                "--tp",
+                str(tp),
+                "--port",
+                str(port),
+                "--speedup",
+                str(k),
+                "--seed",
+                "1",
+            ]
+            procs.append(
+                await asyncio.create_subprocess_exec(
+                    *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+                )
+            )
+            backends.append(
+                {
+                    "name": name,
+                    "url": f"http://127.0.0.1:{port}",
+                    "engine": "vllm",
+                    "models": [MODEL],
+                    "gpu": "V100-SXM2-32GB",
+                    "tp": tp,
+                }
+            )
+        gw_port = free_port()
+        config = {
+            "seed": 1,
+            "admin_token": ADMIN_TOKEN,
+            "policy": {"type": policy},
+            "backends": backends,
+            "server": {"host": "127.0.0.1", "port": gw_port, "access_log": False},
+            "scrape": {"interval_s": max(0.05, 1.0 / k)},
+            "admission": admission,
+        }
+        cfg = tmp / "router.yaml"
+        cfg.write_text(yaml.safe_dump(config), encoding="utf-8")
+        procs.append(
+            await asyncio.create_subprocess_exec(
+                *HETROUTE,
+                "serve",
+                "--config",
+                str(cfg),
+                "--log-level",
+                "WARNING",
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+        )
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            for b in backends:
+                await wait_ready(session, f"{b['url']}/health")
+            base = f"http://127.0.0.1:{gw_port}"
+            await wait_ready(session, f"{base}/v1/models")
+            start = time.monotonic()
+            out = await asyncio.gather(
+                *(
+                    one(session, f"{base}/v1/completions", r, h, start, k)
+                    for r, h in zip(work, heads, strict=True)
+                )
+            )
+            async with session.get(
+                f"{base}/admin/backends", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+            ) as r:
+                admin = await r.json()
+            async with session.get(f"{base}/metrics") as r:
+                metrics = await r.text()
+        return {
+            "label": label,
+            "results": out,
+            "in_flight_after": admin["in_flight"],
+            "queue_length_after": sum(
+                float(line.split()[-1])
+                for line in metrics.splitlines()
+                if line.startswith("hetroute_queue_length{")
+            ),
+        }
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.terminate()
+        for p in procs:
+            try:
+                await asyncio.wait_for(p.wait(), 10)
+            except TimeoutError:
+                p.kill()
+                await p.wait()
+
+
+def sim_bound(work: Sequence[SimRequest]) -> float:
+    """Σ standalone throughput of each paper-a instance on these requests (the simulator's bound)."""
+    from hetroute.sim.cluster_file import build_fleet
+    from hetroute.sim.scenarios import get_scenario
+    from hetroute.sim.simulator import run_simulation
+
+    fleet = build_fleet(get_scenario("paper-a").cluster())
+    return sum(  # ``work`` is at rate ∞ (every arrival at 0)
+        run_simulation(fleet, work, "single", {"backend": b.name}, seed=1).throughput_tokens_per_s
+        for b in fleet.backends
+    )
+
+
+def summarise(
+    row: dict[str, Any], work: Sequence[SimRequest], heads: Sequence[dict[str, str]]
+) -> dict[str, Any]:
+    res = row.pop("results")
+    ok = [i for i, r in enumerate(res) if r["status"] == 200]
+    shed = [i for i, r in enumerate(res) if r["status"] == 429]
+    other = [r for r in res if r["status"] not in (200, 429)]
+    tokens = sum(work[i].input_tokens + work[i].output_tokens for i in ok)
+    makespan = max((res[i]["end_s"] for i in ok), default=math.nan)
+    out = {
+        **row,
+        "sent": len(res),
+        "completed": len(ok),
+        "shed_429": len(shed),
+        "other": len(other),
+        "retry_after_on_every_429": all(res[i]["retry_after"] for i in shed),
+        "throughput_tokens_s": tokens / makespan if ok else math.nan,
+    }
+    inter = [i for i in ok if heads[i].get("x-hetroute-priority") == "interactive"]
+    batch = [i for i in ok if heads[i].get("x-hetroute-priority") != "interactive"]
+    for name, idx in (("interactive", inter), ("batch", batch), ("all", ok)):
+        t = np.array([res[i]["ttft_s"] for i in idx])
+        out[f"{name}_ttft_p99_s"] = float(np.percentile(t, 99)) if t.size else math.nan
+    out["batch_max_wait_s"] = max(
+        [res[i]["ttft_s"] for i in batch] + [res[i]["wait_s"] for i in shed], default=0.0
+    )
+    a = sum(
+        work[i].input_tokens + work[i].output_tokens
+        for i in batch
+        if heads[i].get("x-hetroute-tenant") == "a"
+    )
+    b = sum(
+        work[i].input_tokens + work[i].output_tokens
+        for i in batch
+        if heads[i].get("x-hetroute-tenant") == "b"
+    )
+    out["tenant_a_share"] = a / (a + b) if a + b else math.nan
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--speedup", type=float, default=2.0, help="emulator speed-up for the rate-∞ runs")
+    ap.add_argument("--overload-speedup", type=float, default=0.5, help="(< 1 slows the emulators: less CPU)")
+    ap.add_argument("--overload-s", type=float, default=30.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    started = time.perf_counter()
+    work = generate_workload("sharegpt", args.requests, math.inf, args.seed, 2048, send_max_tokens=True)
+    bound = sim_bound(work)
+    rows = []
+    none: list[dict[str, str]] = [{} for _ in work]
+    off: dict[str, Any] = {"enabled": False}
+    for label, policy, adm in (
+        ("default + queue", "default", {}),
+        ("default", "default", off),
+        ("paper (workload_minmax)", "workload_minmax", off),
+    ):
+        row = summarise(asyncio.run(run(label, policy, adm, work, none, args.speedup)), work, none)
+        row.update(kind="inf", bound_tokens_s=bound, pct_bound=100 * row["throughput_tokens_s"] / bound)
+        rows.append(row)
+        print(
+            f"inf {label:24s} {row['throughput_tokens_s']:8.0f} tok/s "
+            f"({row['pct_bound']:.1f} % of {bound:.0f})",
+            flush=True,
+        )
+    cap_rps = bound / float(np.mean([r.input_tokens + r.output_tokens for r in work]))
+    rng = np.random.default_rng(args.seed + 1000)
+    for kind, mult in (("unloaded", 0.3), ("overload", 1.5)):
+        n = int(mult * cap_rps * args.overload_s)
+        w = generate_workload("sharegpt", n, mult * cap_rps, args.seed, 2048, send_max_tokens=True)
+        heads = [
+            {
+                "x-hetroute-priority": "interactive" if rng.random() < 0.2 else "batch",
+                "x-hetroute-tenant": "a" if rng.random() < 0.5 else "b",
+            }
+            for _ in w
+        ]
+        adm = {"classes": CLASSES, "tenants": {"a": 3, "b": 1}}
+        runs = [("default + queue", adm)] + ([("default", off)] if kind == "overload" else [])
+        for label, a in runs:
+            row = summarise(asyncio.run(run(label, "default", a, w, heads, args.overload_speedup)), w, heads)
+            row.update(kind=kind, rate_rps=mult * cap_rps)
+            rows.append(row)
+            print(
+                f"{kind} {label:20s} int p99 TTFT {row['interactive_ttft_p99_s']:.2f} s, batch max wait "
+                f"{row['batch_max_wait_s']:.1f} s, share a {row['tenant_a_share']:.3f}, "
+                f"429 {row['shed_429']}, "
+                f"done {row['completed']}/{row['sent']}, other {row['other']}",
+                flush=True,
+            )
+    doc = {
+        "benchmark": "admission_gateway",
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "elapsed_s": time.perf_counter() - started,
+        "machine": platform.platform(),
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(doc, indent=1, default=str).replace("NaN", "null")
+    (args.out / "admission_gateway.json").write_text(text + "\n", encoding="utf-8")
+    lines = [
+        "# Admission control through the gateway (paper-a, emulators)",
+        "",
+        f"rate ∞: {args.requests} requests, speedup {args.speedup:g}; overload: 1.5× capacity for "
+        f"{args.overload_s:g} model s, speedup {args.overload_speedup:g}; {doc['elapsed_s']:.0f} s wall.",
+        "",
+        "| run | policy | tok/s | % bound | int. p99 TTFT s | batch max wait s | share a (0.75) | 429 "
+        "| done/sent "
+        "| other | ledger, queue after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['kind']} | {r['label']} | {r['throughput_tokens_s']:.0f} | "
+            f"{r.get('pct_bound', math.nan):.1f} | "
+            f"{r['interactive_ttft_p99_s']:.2f} | {r['batch_max_wait_s']:.1f} | {r['tenant_a_share']:.3f} | "
+            f"{r['shed_429']} | {r['completed']}/{r['sent']} | {r['other']} | {r['in_flight_after']}, "
+            f"{r['queue_length_after']:.0f} |"
+        )
+    (args.out / "admission_gateway.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
