@@ -368,11 +368,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "inf_labels": [
             "default",
             "default + queue",
+            "default + queue, seqs 2x",
             "paper (workload_minmax)",
             "paper + queue",
             "default, no profile",
             "default + queue, no profile",
-        ],  # fmt: skip
+        ],
         "capacity_rps": {f"{k[0]} seed {k[1]}": v for k, v in cap_rps.items()},
     }
     args.out.mkdir(parents=True, exist_ok=True)

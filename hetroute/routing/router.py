@@ -98,6 +98,7 @@ class Router:
         self._caps: FloatArray = self._profile_caps
         self._available_key: tuple[bool, ...] | None = None
         self._available: BoolArray = np.zeros(0, dtype=np.bool_)
+        self._decide_started = 0.0  # timer reading at the start of the last decide()
 
     def serving(self, model: str, api: Api) -> tuple[int, ...]:
         """Indices of the backends that serve ``model`` through ``api`` (cached)."""
@@ -169,12 +170,8 @@ class Router:
         Raises :class:`UnknownModel` when no backend serves the model through the API and
         :class:`NoBackendAvailable` when every serving backend is unavailable or excluded.
         """
-        started = self._timer()
         decision, snap = self.decide(features, exclude)
-        ticket = self.commit(features, decision, snap.now_s)
-        if self._on_decision is not None:
-            self._on_decision(self.policy.name, ticket.backend_name, self._timer() - started)
-        return ticket
+        return self.commit(features, decision, snap.now_s)
 
     def decide(
         self, features: RequestFeatures, exclude: Collection[int] = ()
@@ -187,6 +184,7 @@ class Router:
         serving = self.serving(features.model, features.api)
         if not serving:
             raise UnknownModel(features.model)
+        self._decide_started = self._timer()
         snap, available = self._snapshot()
         cand_list = [i for i in serving if available[i] and i not in exclude]
         if not cand_list:
@@ -201,8 +199,9 @@ class Router:
         return decision, snap
 
     def commit(self, features: RequestFeatures, decision: RoutingDecision, now_s: float) -> Ticket:
-        """Record ``decision`` (from :meth:`decide`) as a dispatch in the ledger."""
-        return self.ledger.dispatch(
+        """Record ``decision`` (from :meth:`decide`) as a dispatch in the ledger; the decision
+        observer gets the time since that :meth:`decide` began."""
+        ticket = self.ledger.dispatch(
             request_id=features.request_id,
             backend_index=decision.index,
             input_tokens=features.input_tokens,
@@ -212,6 +211,9 @@ class Router:
             policy=self.policy.name,
             reason=decision.reason,
         )
+        if self._on_decision is not None:
+            self._on_decision(self.policy.name, ticket.backend_name, self._timer() - self._decide_started)
+        return ticket
 
     def release(self, ticket: Ticket) -> bool:
         """Release a ticket's accounting; effective exactly once."""

@@ -38,7 +38,7 @@ async def test_second_request_waits_then_runs_on_the_freed_backend(
 ) -> None:
     emu = await emulate(speedup=20.0)
     gw = await gateway([one_seq(emu)], admission=ONE)
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 20, "stream": True}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 300, "stream": True}  # ~0.4 s each
     async with aiohttp.ClientSession() as s:
 
         async def one() -> bytes:
