@@ -24,9 +24,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hetroute.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hetroute.sim.admission_run import SimAdmission
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +137,12 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="seconds between engine-metric scrapes (default: gateway's scrape.interval_s; 0: live)",
     )
+    p.add_argument(
+        "--admission",
+        help="put the gateway's admission queue in front of the router: 'on' (its defaults) or a YAML "
+        "file whose `admission:` section configures it (a router config works; every request is in "
+        "the default class and tenant)",
+    )
     p.add_argument("--json", type=Path, help="write the results as JSON")
     p.add_argument("--plot", type=Path, help="write a PNG plot of throughput and TTFT p99 against rate")
     p.set_defaults(func=run)
@@ -191,6 +200,26 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+def _admission(source: str | None) -> SimAdmission | None:
+    """``--admission``: None, ``on`` (the defaults) or a YAML file with an ``admission:`` section."""
+    import yaml
+
+    from hetroute.admission.config import AdmissionConfig, parse_admission
+    from hetroute.sim.admission_run import SimAdmission
+
+    if source is None:
+        return None
+    if source == "on":
+        return SimAdmission(AdmissionConfig())
+    try:
+        data = yaml.safe_load(Path(source).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError("--admission", f"cannot read {source}: {exc}") from None
+    if not isinstance(data, dict) or "admission" not in data:
+        raise ConfigError("--admission", f"{source} has no `admission:` section")
+    return SimAdmission(parse_admission(data["admission"]))
+
+
 def _run(args: argparse.Namespace) -> int:
     from hetroute.policies import resolve_policy_name
     from hetroute.sim.cluster_file import build_fleet, load_cluster_file
@@ -244,6 +273,7 @@ def _run(args: argparse.Namespace) -> int:
     pred = parse_policy_spec(args.predictor)
     max_len = args.max_model_len or fleet.max_model_len()
     scrape_s = GATEWAY_SCRAPE_INTERVAL_S if args.scrape_interval is None else args.scrape_interval
+    admission = _admission(args.admission)
 
     started = time.perf_counter()
     runs: list[MatrixRun] = []
@@ -281,6 +311,7 @@ def _run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 scrape_interval_s=scrape_s,
                 label=spec.label,
+                admission=admission,
             )
             runs.append(MatrixRun(rate_label(rate), resolve_policy_name(spec.name), spec.params, result))
     elapsed = time.perf_counter() - started
