@@ -213,6 +213,9 @@ def summarise(
     ok = [i for i, r in enumerate(res) if r["status"] == 200]
     shed = [i for i, r in enumerate(res) if r["status"] == 429]
     other = [r for r in res if r["status"] not in (200, 429)]
+    row["other_statuses"] = {
+        str(st): sum(1 for r in other if r["status"] == st) for st in {r["status"] for r in other}
+    }
     tokens = sum(work[i].input_tokens + work[i].output_tokens for i in ok)
     makespan = max((res[i]["end_s"] for i in ok), default=math.nan)
     out = {
