@@ -178,26 +178,26 @@ def build_tasks(args: argparse.Namespace, cap_rps: Mapping[tuple[str, int], floa
         for seed in args.seeds:
             inf = {"kind": "inf", "scenario": sc, "seed": seed, "requests": args.requests, "full": args.full}
             tasks += [
-                Task(label="default", **inf),  # type: ignore[arg-type]
-                Task(label="default + queue", queue=True, **inf),  # type: ignore[arg-type]
+                Task(label="default", **inf),
+                Task(label="default + queue", queue=True, **inf),
                 Task(
                     label="default + queue, seqs 2x",
                     queue=True,
-                    **{**inf, "full": {**args.full, "seqs_high_water_frac": 2.0}},  # type: ignore[arg-type]
+                    **{**inf, "full": {**args.full, "seqs_high_water_frac": 2.0}},
                 ),
-                Task(label="paper (workload_minmax)", policy="workload_minmax", **inf),  # type: ignore[arg-type]
-                Task(label="paper + queue", policy="workload_minmax", queue=True, **inf),  # type: ignore[arg-type]
-                Task(label="default, no profile", profile=False, **inf),  # type: ignore[arg-type]
-                Task(label="default + queue, no profile", profile=False, queue=True, **inf),  # type: ignore[arg-type]
+                Task(label="paper (workload_minmax)", policy="workload_minmax", **inf),
+                Task(label="paper + queue", policy="workload_minmax", queue=True, **inf),
+                Task(label="default, no profile", profile=False, **inf),
+                Task(label="default + queue, no profile", profile=False, queue=True, **inf),
             ]
             cap = cap_rps[(sc, seed)]
             for kind, mult, dur in (("burst", 3.0, 30.0), ("overload", 1.5, args.overload_s)):
                 base = {"kind": kind, "scenario": sc, "seed": seed, "rate": mult * cap, "overload_s": dur}
                 base["full"] = args.full
                 tasks += [
-                    Task(label="default + queue", queue=True, **base),  # type: ignore[arg-type]
-                    Task(label="default", **base),  # type: ignore[arg-type]
-                    Task(label="paper (workload_minmax)", policy="workload_minmax", **base),  # type: ignore[arg-type]
+                    Task(label="default + queue", queue=True, **base),
+                    Task(label="default", **base),
+                    Task(label="paper (workload_minmax)", policy="workload_minmax", **base),
                 ]
             tasks.append(
                 Task(
@@ -377,7 +377,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "capacity_rps": {f"{k[0]} seed {k[1]}": v for k, v in cap_rps.items()},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    doc = {"meta": meta, "bounds": {f"{k[0]} seed {k[1]}": v for k, v in bounds.items()}, "summary": agg}
+    doc: dict[str, Any] = {
+        "meta": meta,
+        "bounds": {f"{k[0]} seed {k[1]}": v for k, v in bounds.items()},
+        "summary": agg,
+    }
     doc["runs"] = rows + bound_rows
     text = json.dumps(doc, indent=1, default=str).replace("NaN", "null")
     (args.out / "admission.json").write_text(text + "\n", encoding="utf-8")

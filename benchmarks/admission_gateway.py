@@ -84,6 +84,56 @@ async def one(
     return {"status": 200, "ttft_s": (first - sent) * k, "end_s": (time.monotonic() - start) * k}
 
 
+async def _spawn(*args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        *HETROUTE, *args, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+    )
+
+
+async def _start_stack(
+    procs: list[asyncio.subprocess.Process], policy: str, admission: dict[str, Any], k: float
+) -> tuple[list[dict[str, Any]], int]:
+    """Start the two emulators and the gateway (appended to ``procs``); (backends, gateway port)."""
+    backends: list[dict[str, Any]] = []
+    for name, tp in BACKENDS:
+        port = free_port()
+        gpu = "V100-SXM2-32GB"
+        procs.append(
+            await _spawn("emulate", "--gpu", gpu, "--model", MODEL, "--tp", str(tp), "--port", str(port),
+                         "--speedup", str(k), "--seed", "1")
+        )  # fmt: skip
+        backends.append(
+            {"name": name, "url": f"http://127.0.0.1:{port}", "engine": "vllm", "models": [MODEL],
+             "gpu": gpu, "tp": tp}
+        )  # fmt: skip
+    gw_port = free_port()
+    config = {
+        "seed": 1,
+        "admin_token": ADMIN_TOKEN,
+        "policy": {"type": policy},
+        "backends": backends,
+        "server": {"host": "127.0.0.1", "port": gw_port, "access_log": False},
+        "scrape": {"interval_s": max(0.05, 1.0 / k)},
+        "admission": admission,
+    }
+    cfg = Path(tempfile.mkdtemp(prefix="hetroute-adm-")) / "router.yaml"
+    cfg.write_text(yaml.safe_dump(config), encoding="utf-8")
+    procs.append(await _spawn("serve", "--config", str(cfg), "--log-level", "WARNING"))
+    return backends, gw_port
+
+
+async def _stop(procs: Sequence[asyncio.subprocess.Process]) -> None:
+    for p in procs:
+        if p.returncode is None:
+            p.terminate()
+    for p in procs:
+        try:
+            await asyncio.wait_for(p.wait(), 10)
+        except TimeoutError:
+            p.kill()
+            await p.wait()
+
+
 async def run(
     label: str,
     policy: str,
@@ -92,105 +142,35 @@ async def run(
     heads: Sequence[dict[str, str]],
     k: float,
 ) -> dict[str, Any]:
+    """Replay ``work`` (with ``heads``) through fresh processes; per-request results and the
+    gateway's ledger and queue after the run."""
     procs: list[asyncio.subprocess.Process] = []
-    tmp = Path(tempfile.mkdtemp(prefix="hetroute-adm-"))
     try:
-        backends = []
-        for name, tp in BACKENDS:
-            port = free_port()
-            cmd = [
-                *HETROUTE,
-                "emulate",
-                "--gpu",
-                "V100-SXM2-32GB",
-                "--model",
-                MODEL,
-                "--tp",
-                str(tp),
-                "--port",
-                str(port),
-                "--speedup",
-                str(k),
-                "--seed",
-                "1",
-            ]
-            procs.append(
-                await asyncio.create_subprocess_exec(
-                    *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
-                )
-            )
-            backends.append(
-                {
-                    "name": name,
-                    "url": f"http://127.0.0.1:{port}",
-                    "engine": "vllm",
-                    "models": [MODEL],
-                    "gpu": "V100-SXM2-32GB",
-                    "tp": tp,
-                }
-            )
-        gw_port = free_port()
-        config = {
-            "seed": 1,
-            "admin_token": ADMIN_TOKEN,
-            "policy": {"type": policy},
-            "backends": backends,
-            "server": {"host": "127.0.0.1", "port": gw_port, "access_log": False},
-            "scrape": {"interval_s": max(0.05, 1.0 / k)},
-            "admission": admission,
-        }
-        cfg = tmp / "router.yaml"
-        cfg.write_text(yaml.safe_dump(config), encoding="utf-8")
-        procs.append(
-            await asyncio.create_subprocess_exec(
-                *HETROUTE,
-                "serve",
-                "--config",
-                str(cfg),
-                "--log-level",
-                "WARNING",
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.DEVNULL,
-            )
-        )
+        backends, gw_port = await _start_stack(procs, policy, admission, k)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             for b in backends:
                 await wait_ready(session, f"{b['url']}/health")
             base = f"http://127.0.0.1:{gw_port}"
             await wait_ready(session, f"{base}/v1/models")
             start = time.monotonic()
+            url = f"{base}/v1/completions"
             out = await asyncio.gather(
-                *(
-                    one(session, f"{base}/v1/completions", r, h, start, k)
-                    for r, h in zip(work, heads, strict=True)
-                )
+                *(one(session, url, r, h, start, k) for r, h in zip(work, heads, strict=True))
             )
-            async with session.get(
-                f"{base}/admin/backends", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
-            ) as r:
+            auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+            async with session.get(f"{base}/admin/backends", headers=auth) as r:
                 admin = await r.json()
             async with session.get(f"{base}/metrics") as r:
                 metrics = await r.text()
+        queued = [line for line in metrics.splitlines() if line.startswith("hetroute_queue_length{")]
         return {
             "label": label,
             "results": out,
             "in_flight_after": admin["in_flight"],
-            "queue_length_after": sum(
-                float(line.split()[-1])
-                for line in metrics.splitlines()
-                if line.startswith("hetroute_queue_length{")
-            ),
+            "queue_length_after": sum(float(line.split()[-1]) for line in queued),
         }
     finally:
-        for p in procs:
-            if p.returncode is None:
-                p.terminate()
-        for p in procs:
-            try:
-                await asyncio.wait_for(p.wait(), 10)
-            except TimeoutError:
-                p.kill()
-                await p.wait()
+        await _stop(procs)
 
 
 def sim_bound(work: Sequence[SimRequest]) -> float:
@@ -255,6 +235,97 @@ def summarise(
     return out
 
 
+OFF: dict[str, Any] = {"enabled": False}
+
+
+def _inf_rows(args: argparse.Namespace, full: dict[str, float]) -> list[dict[str, Any]]:
+    work = generate_workload("sharegpt", args.requests, math.inf, args.seed, 2048, send_max_tokens=True)
+    bound = sim_bound(work)  # the bound of exactly these requests
+    none: list[dict[str, str]] = [{} for _ in work]
+    runs = [
+        ("default + queue", "default", {"full": full}),
+        ("default", "default", OFF),
+        ("paper (workload_minmax)", "workload_minmax", OFF),
+    ]
+    rows = []
+    for label, policy, adm in runs:
+        row = summarise(asyncio.run(run(label, policy, adm, work, none, args.speedup)), work, none)
+        row.update(kind="inf", bound_tokens_s=bound, pct_bound=100 * row["throughput_tokens_s"] / bound)
+        rows.append(row)
+        pct = row["pct_bound"]
+        print(
+            f"inf {label:24s} {row['throughput_tokens_s']:8.0f} tok/s ({pct:.1f} % of {bound:.0f})",
+            flush=True,
+        )
+    return rows
+
+
+def _overload_rows(args: argparse.Namespace, full: dict[str, float]) -> list[dict[str, Any]]:
+    # steady-state capacity from 4,000 requests (400 have a heavy drain tail that understates it)
+    big = generate_workload("sharegpt", 4000, math.inf, args.seed, 2048)
+    cap_rps = sim_bound(big) / float(np.mean([r.input_tokens + r.output_tokens for r in big]))
+    rng = np.random.default_rng(args.seed + 1000)
+    rows = []
+    for kind, mult in (("unloaded", 0.3), ("overload", 1.5)):
+        n = int(mult * cap_rps * args.overload_s)
+        w = generate_workload("sharegpt", n, mult * cap_rps, args.seed, 2048, send_max_tokens=True)
+        heads = [
+            {
+                "x-hetroute-priority": "interactive" if rng.random() < 0.2 else "batch",
+                "x-hetroute-tenant": "a" if rng.random() < 0.5 else "b",
+            }
+            for _ in w
+        ]
+        adm = {"classes": CLASSES, "tenants": {"a": 3, "b": 1}, "full": full}
+        runs = [("default + queue", adm)] + ([("default", OFF)] if kind == "overload" else [])
+        for label, a in runs:
+            result = asyncio.run(run(label, "default", a, w, heads, args.overload_speedup))
+            row = summarise(result, w, heads, args.overload_s)
+            row.update(kind=kind, rate_rps=mult * cap_rps)
+            rows.append(row)
+            print(
+                f"{kind} {label:20s} int p99 TTFT {row['interactive_ttft_p99_s']:.2f} s, batch max wait "
+                f"{row['batch_max_wait_s']:.1f} s, share a {row['tenant_a_share']:.3f}, "
+                f"429 {row['shed_429']}, done {row['completed']}/{row['sent']}, other {row['other']}",
+                flush=True,
+            )
+    return rows
+
+
+def _write(args: argparse.Namespace, rows: list[dict[str, Any]], elapsed_s: float) -> str:
+    doc = {
+        "benchmark": "admission_gateway",
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "elapsed_s": elapsed_s,
+        "machine": platform.platform(),
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(doc, indent=1, default=str).replace("NaN", "null")
+    (args.out / "admission_gateway.json").write_text(text + "\n", encoding="utf-8")
+    lines = [
+        "# Admission control through the gateway (paper-a, emulators)",
+        "",
+        f"rate ∞: {args.requests} requests, speedup {args.speedup:g}; overload: 1.5× capacity for "
+        f"{args.overload_s:g} model s, speedup {args.overload_speedup:g}; {elapsed_s:.0f} s wall.",
+        "",
+        "| run | policy | tok/s | % bound | int. p99 TTFT s | batch max wait s | share a (0.75) | 429 "
+        "| done/sent | other | ledger, queue after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['kind']} | {r['label']} | {r['throughput_tokens_s']:.0f} | "
+            f"{r.get('pct_bound', math.nan):.1f} | "
+            f"{r['interactive_ttft_p99_s']:.2f} | {r['batch_max_wait_s']:.1f} | {r['tenant_a_share']:.3f} | "
+            f"{r['shed_429']} | {r['completed']}/{r['sent']} | {r['other']} | {r['in_flight_after']}, "
+            f"{r['queue_length_after']:.0f} |"
+        )
+    md = "\n".join(lines) + "\n"
+    (args.out / "admission_gateway.md").write_text(md, encoding="utf-8")
+    return md
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--requests", type=int, default=400)
@@ -269,86 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     full = {k: float(v) for k, v in (kv.split("=") for kv in args.full.split(",") if kv)}
     started = time.perf_counter()
-    work = generate_workload("sharegpt", args.requests, math.inf, args.seed, 2048, send_max_tokens=True)
-    bound = sim_bound(work)  # 400 requests: the bound of exactly these
-    rows = []
-    none: list[dict[str, str]] = [{} for _ in work]
-    off: dict[str, Any] = {"enabled": False}
-    inf_runs = [
-        ("default + queue", "default", {"full": full}),
-        ("default", "default", off),
-        ("paper (workload_minmax)", "workload_minmax", off),
-    ]
-    for label, policy, adm in [] if args.skip_inf else inf_runs:
-        row = summarise(asyncio.run(run(label, policy, adm, work, none, args.speedup)), work, none)
-        row.update(kind="inf", bound_tokens_s=bound, pct_bound=100 * row["throughput_tokens_s"] / bound)
-        rows.append(row)
-        print(
-            f"inf {label:24s} {row['throughput_tokens_s']:8.0f} tok/s "
-            f"({row['pct_bound']:.1f} % of {bound:.0f})",
-            flush=True,
-        )
-    # steady-state capacity from 4,000 requests (400 have a heavy drain tail that understates it)
-    big = generate_workload("sharegpt", 4000, math.inf, args.seed, 2048)
-    cap_rps = sim_bound(big) / float(np.mean([r.input_tokens + r.output_tokens for r in big]))
-    rng = np.random.default_rng(args.seed + 1000)
-    for kind, mult in (("unloaded", 0.3), ("overload", 1.5)):
-        n = int(mult * cap_rps * args.overload_s)
-        w = generate_workload("sharegpt", n, mult * cap_rps, args.seed, 2048, send_max_tokens=True)
-        heads = [
-            {
-                "x-hetroute-priority": "interactive" if rng.random() < 0.2 else "batch",
-                "x-hetroute-tenant": "a" if rng.random() < 0.5 else "b",
-            }
-            for _ in w
-        ]
-        if args.skip_overload:
-            break
-        adm = {"classes": CLASSES, "tenants": {"a": 3, "b": 1}, "full": full}
-        runs = [("default + queue", adm)] + ([("default", off)] if kind == "overload" else [])
-        for label, a in runs:
-            result = asyncio.run(run(label, "default", a, w, heads, args.overload_speedup))
-            row = summarise(result, w, heads, args.overload_s)
-            row.update(kind=kind, rate_rps=mult * cap_rps)
-            rows.append(row)
-            print(
-                f"{kind} {label:20s} int p99 TTFT {row['interactive_ttft_p99_s']:.2f} s, batch max wait "
-                f"{row['batch_max_wait_s']:.1f} s, share a {row['tenant_a_share']:.3f}, "
-                f"429 {row['shed_429']}, "
-                f"done {row['completed']}/{row['sent']}, other {row['other']}",
-                flush=True,
-            )
-    doc = {
-        "benchmark": "admission_gateway",
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "elapsed_s": time.perf_counter() - started,
-        "machine": platform.platform(),
-        "rows": rows,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(doc, indent=1, default=str).replace("NaN", "null")
-    (args.out / "admission_gateway.json").write_text(text + "\n", encoding="utf-8")
-    lines = [
-        "# Admission control through the gateway (paper-a, emulators)",
-        "",
-        f"rate ∞: {args.requests} requests, speedup {args.speedup:g}; overload: 1.5× capacity for "
-        f"{args.overload_s:g} model s, speedup {args.overload_speedup:g}; {doc['elapsed_s']:.0f} s wall.",
-        "",
-        "| run | policy | tok/s | % bound | int. p99 TTFT s | batch max wait s | share a (0.75) | 429 "
-        "| done/sent "
-        "| other | ledger, queue after |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['kind']} | {r['label']} | {r['throughput_tokens_s']:.0f} | "
-            f"{r.get('pct_bound', math.nan):.1f} | "
-            f"{r['interactive_ttft_p99_s']:.2f} | {r['batch_max_wait_s']:.1f} | {r['tenant_a_share']:.3f} | "
-            f"{r['shed_429']} | {r['completed']}/{r['sent']} | {r['other']} | {r['in_flight_after']}, "
-            f"{r['queue_length_after']:.0f} |"
-        )
-    (args.out / "admission_gateway.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print("\n".join(lines))
+    rows = [] if args.skip_inf else _inf_rows(args, full)
+    rows += [] if args.skip_overload else _overload_rows(args, full)
+    print(_write(args, rows, time.perf_counter() - started))
     return 0
 
 
