@@ -14,6 +14,7 @@ sessions close.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import AsyncIterator
 
@@ -26,7 +27,11 @@ from hetroute.backends.health import HealthTracker, probe_loop
 from hetroute.backends.scrape import MetricsStore, scrape_loop
 from hetroute.clock import MonotonicClock
 from hetroute.config import ComponentConfig, Config
+from hetroute.learning.build import build_live_models
+from hetroute.learning.live import LiveModels
+from hetroute.learning.state import load_saved, save_all
 from hetroute.policies import PolicyContext, build_policy
+from hetroute.policies.backend_model import BackendModels
 from hetroute.proxy.forward import Forwarder, ForwardSettings
 from hetroute.proxy.protocols import TokenEstimator
 from hetroute.proxy.server import Gateway, add_routes
@@ -45,6 +50,9 @@ TELEMETRY = web.AppKey("telemetry", Telemetry)
 FORWARDER = web.AppKey("forwarder", Forwarder)
 PREDICTOR = web.AppKey("predictor", OutputLengthPredictor)
 ESTIMATOR = web.AppKey("estimator", TokenEstimator)
+LEARNER = web.AppKey("learner", LiveModels)
+
+log = logging.getLogger(__name__)
 
 
 def tgi_model_of(cfg: Config, specs: tuple[BackendSpec, ...]) -> str | None:
@@ -76,7 +84,14 @@ def build_app(
     specs = cfg.specs()
     names = [s.name for s in specs]
 
-    policy = build_policy(cfg.policy.type, cfg.policy.params, PolicyContext(specs, seed))
+    # The backends' static latency models (profile → roofline prior → neutral default) are resolved
+    # once, here: the policy, the learner and /admin all read this one copy.
+    backend_models = BackendModels.from_specs(specs)
+    policy = build_policy(cfg.policy.type, cfg.policy.params, PolicyContext(specs, seed, backend_models))
+    learner: LiveModels | None = None
+    if cfg.learning.enabled:
+        saved = load_saved(cfg.learning.state_dir, specs) if cfg.learning.state_dir else {}
+        learner = build_live_models(backend_models, cfg.learning, saved)
     pred_cfg = cfg.predictor or ComponentConfig(DEFAULT_PREDICTOR)
     predictor = build_predictor(pred_cfg.type, pred_cfg.params, seed)
     telemetry = Telemetry(registry)
@@ -93,10 +108,13 @@ def build_app(
         is_available=health.is_available,
         latest_metrics=metrics.latest,
         on_decision=telemetry.on_decision,
+        learner=learner,
     )
     telemetry.bind_backends(
         names, health.is_available, metrics.age_s, lambda i: int(ledger.requests_in_flight[i])
     )
+    if learner is not None:
+        telemetry.bind_learner(names, learner)
     estimator = TokenEstimator(cfg.tokens.initial_chars_per_token, cfg.tokens.learn_rate)
     t = cfg.timeouts
     forwarder = Forwarder(
@@ -120,6 +138,8 @@ def build_app(
         admin_token=cfg.admin_token,
         tgi_model=tgi_model_of(cfg, specs),
         info_timeout_s=t.discovery_s,
+        backend_models=backend_models,
+        learner=learner,
     )
 
     app = web.Application(client_max_size=cfg.server.max_body_bytes)
@@ -132,6 +152,8 @@ def build_app(
     app[FORWARDER] = forwarder
     app[PREDICTOR] = predictor
     app[ESTIMATOR] = estimator
+    if learner is not None:
+        app[LEARNER] = learner
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_background_tasks)
     add_routes(app, gateway)
@@ -168,10 +190,40 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
             asyncio.create_task(scrape_loop(app[METRICS], session, router.backends, i, cfg.scrape))
             for i in range(len(router.backends))
         ]
+    learner = app.get(LEARNER)
+    if learner is not None:
+        tasks.append(asyncio.create_task(learning_loop(learner, router, cfg)))
     yield
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    if learner is not None and cfg.learning.state_dir:
+        _save(learner, router, cfg.learning.state_dir)
+
+
+def _save(learner: LiveModels, router: Router, state_dir: str) -> None:
+    caps = router.snapshot().kv_capacity_tokens
+    try:
+        written = save_all(learner, router.backends, [float(c) for c in caps], state_dir)
+    except OSError as exc:
+        log.warning("could not save the learned models to %s: %s", state_dir, exc)
+        return
+    log.info("saved %d learned backend model(s) to %s", written, state_dir)
+
+
+async def learning_loop(learner: LiveModels, router: Router, cfg: Config) -> None:
+    """Refit the live models every ``learning.refit_interval_s`` (off the request path: requests only
+    append observations) and save them every ``learning.save_interval_s`` when a state dir is set."""
+    every = cfg.learning
+    clock = router.clock
+    last_save = clock.now()
+    while True:
+        await asyncio.sleep(every.refit_interval_s)
+        learner.set_capacities(router.snapshot().kv_capacity_tokens)
+        learner.refit(clock.now())
+        if every.state_dir and clock.now() - last_save >= every.save_interval_s:
+            last_save = clock.now()
+            _save(learner, router, every.state_dir)
 
 
 def make_runner(app: web.Application) -> web.AppRunner:

@@ -24,6 +24,7 @@ import yaml
 
 from hetroute.errors import ConfigError
 from hetroute.latency import LatencyProfile, ProfileError, load_profile
+from hetroute.learning.settings import LearningConfig
 from hetroute.policies import policy_names
 from hetroute.types import ENGINE_KINDS, BackendSpec, EngineKind
 
@@ -148,6 +149,7 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
     tokens: TokensConfig = field(default_factory=TokensConfig)
+    learning: LearningConfig = field(default_factory=LearningConfig)
     admin_token: str | None = None
     default_model: str | None = None
     seed: int = 0
@@ -240,6 +242,7 @@ _TIMEOUT_KEYS = ("connect_s", "first_byte_s", "idle_s", "discovery_s")
 _HEALTH_KEYS = tuple(HealthConfig.__dataclass_fields__)
 _SCRAPE_KEYS = tuple(ScrapeConfig.__dataclass_fields__)
 _TOKENS_KEYS = tuple(TokensConfig.__dataclass_fields__)
+_LEARNING_KEYS = tuple(LearningConfig.__dataclass_fields__)
 _BACKEND_KEYS = (
     "name", "url", "engine", "models", "weight", "labels", "gpu", "tp",
     "profile", "kv_capacity_tokens", "max_num_seqs",
@@ -247,7 +250,7 @@ _BACKEND_KEYS = (
 _DEFAULTS_KEYS = ("engine", "weight", "labels", "profile", "kv_capacity_tokens", "max_num_seqs")
 _TOP_KEYS = (
     "backends", "defaults", "profiles", "policy", "predictor", "server", "timeouts", "retries",
-    "health", "scrape", "tokens", "admin_token", "default_model", "seed",
+    "health", "scrape", "tokens", "learning", "admin_token", "default_model", "seed",
 )  # fmt: skip
 
 
@@ -323,6 +326,25 @@ def _tokens(raw: Any) -> TokensConfig:
     if rate > 1:
         raise ConfigError("tokens.learn_rate", f"must be in (0, 1], got {rate}")
     return TokensConfig(_num(d, "initial_chars_per_token", "tokens", dflt.initial_chars_per_token), rate)
+
+
+def _learning(raw: Any) -> LearningConfig:
+    d = _mapping(raw, "learning")
+    _check_keys(d, _LEARNING_KEYS, "learning")
+    dflt = LearningConfig()
+    ratio = _num(d, "drift_ratio", "learning", dflt.drift_ratio)
+    if ratio <= 1:
+        raise ConfigError("learning.drift_ratio", f"must be > 1, got {ratio}")
+    return LearningConfig(
+        enabled=_bool(d, "enabled", "learning", dflt.enabled),
+        refit_interval_s=_num(d, "refit_interval_s", "learning", dflt.refit_interval_s),
+        half_life_s=_num(d, "half_life_s", "learning", dflt.half_life_s),
+        window=_int(d, "window", "learning", dflt.window, minimum=8),
+        prior_strength=_num(d, "prior_strength", "learning", dflt.prior_strength),
+        drift_ratio=ratio,
+        state_dir=_str(d, "state_dir", "learning", dflt.state_dir),
+        save_interval_s=_num(d, "save_interval_s", "learning", dflt.save_interval_s),
+    )
 
 
 def _component(raw: Any, path: str, default_type: str | None) -> ComponentConfig | None:
@@ -465,6 +487,7 @@ def config_from_dict(
         health=_health(root.get("health")),
         scrape=_scrape(root.get("scrape")),
         tokens=_tokens(root.get("tokens")),
+        learning=_learning(root.get("learning")),
         admin_token=token,
         default_model=_str(root, "default_model", "<root>", None),
         seed=seed,

@@ -33,7 +33,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description=(
             "Run the gateway in front of vLLM/TGI/OpenAI-compatible backends. Either --config FILE "
             "(every field: docs/configuration.md) or one or more --backend URL, whose engine type and "
-            "models are discovered from /info (TGI) or /v1/models."
+            "models are discovered from /info (TGI) or /v1/models. No latency profile is needed: the "
+            "router learns each backend's prefill and decode speed from the requests it serves "
+            "(docs/learning.md), starting from a profile, the catalog's roofline prior or a neutral "
+            "default, and keeps re-learning when a backend's speed changes."
         ),
     )
     p.add_argument("--config", metavar="FILE", help="YAML config (see config/router.example.yaml)")
@@ -47,6 +50,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--policy", metavar="NAME", help="routing policy with --backend (default: 'default')")
     p.add_argument("--host", help="listen address (overrides server.host)")
     p.add_argument("--port", type=int, help="listen port (overrides server.port)")
+    p.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help=(
+            "save each backend's live-learned latency model here (profile files, source: live) and "
+            "start from them next time (overrides learning.state_dir)"
+        ),
+    )
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     p.set_defaults(func=run)
 
@@ -69,7 +80,10 @@ def _load(args: argparse.Namespace) -> Config:
         if not 0 <= args.port <= 65535:
             raise ConfigError("--port", f"must be in [0, 65535], got {args.port}")
         server = replace(server, port=args.port)
-    return replace(cfg, server=server)
+    learning = cfg.learning
+    if args.state_dir:
+        learning = replace(learning, state_dir=args.state_dir)
+    return replace(cfg, server=server, learning=learning)
 
 
 def _describe(cfg: Config) -> str:

@@ -292,8 +292,17 @@ class Forwarder:
                 resp.close()  # no-op when the payload was read; aborts the upstream otherwise
 
     def _learn(
-        self, parsed: ParsedRequest, rec: AccessRecord, prompt: int | None, completion: int | None
+        self,
+        parsed: ParsedRequest,
+        rec: AccessRecord,
+        ticket: Ticket,
+        prompt: int | None,
+        completion: int | None,
+        *,
+        streamed: bool,
     ) -> None:
+        """A successful answer teaches the token estimator, the output-length predictor and, through
+        ``router.complete``, the backend's live latency model."""
         model = rec.model or ""
         self.estimator.observe(model, parsed.prompt_chars, prompt)
         if prompt is not None:
@@ -301,6 +310,7 @@ class Forwarder:
         if completion is not None:
             rec.completion_tokens = completion
             self.predictor.observe(model, rec.prompt_tokens or 0, completion)
+            self.router.complete(ticket, completion, input_tokens=prompt, streamed=streamed)
 
     def _complete(
         self,
@@ -316,7 +326,7 @@ class Forwarder:
         rec.ttft_s, rec.status = now - start, resp.status
         self.health.record_success(ticket.backend_index)
         if resp.status == 200:
-            self._learn(parsed, rec, *_usage_of(parsed.api, body))
+            self._learn(parsed, rec, ticket, *_usage_of(parsed.api, body), streamed=False)
         headers = self._client_headers(resp, ticket.backend_name, rec.request_id)
         return web.Response(status=resp.status, body=body, headers=headers)
 
@@ -380,8 +390,10 @@ class Forwarder:
         self._learn(
             parsed,
             rec,
+            ticket,
             tap.prompt_tokens,
             tap.completion_tokens if tap.completion_tokens is not None else tap.events,
+            streamed=True,
         )
         try:
             await out.write_eof()

@@ -19,10 +19,17 @@ from aiohttp import web
 
 from hetroute.backends.health import HealthTracker
 from hetroute.backends.scrape import MetricsStore
-from hetroute.policies.backend_model import describe_backend_models
+from hetroute.learning.live import LiveModels
+from hetroute.policies.backend_model import BackendModels, describe_models
 from hetroute.proxy.api_errors import ApiError, error_response
 from hetroute.proxy.forward import Forwarder
-from hetroute.proxy.protocols import ParsedRequest, parse_chat, parse_completions, parse_generate
+from hetroute.proxy.protocols import (
+    ParsedRequest,
+    parse_chat,
+    parse_completions,
+    parse_generate,
+    with_model,
+)
 from hetroute.routing.router import Router
 from hetroute.telemetry import Telemetry
 from hetroute.types import Api
@@ -47,6 +54,8 @@ class Gateway:
         admin_token: str | None,
         tgi_model: str | None,
         info_timeout_s: float,
+        backend_models: BackendModels,
+        learner: LiveModels | None = None,
     ) -> None:
         self.forwarder = forwarder
         self.router = router
@@ -57,6 +66,8 @@ class Gateway:
         self.admin_token = admin_token
         self.tgi_model = tgi_model
         self.info_timeout_s = info_timeout_s
+        self.backend_models = backend_models
+        self.learner = learner
 
     async def _body(self, request: web.Request) -> bytes:
         length = request.content_length
@@ -72,6 +83,8 @@ class Gateway:
     ) -> web.StreamResponse:
         try:
             parsed = parse(await self._body(request))
+            if parsed.model is None and api == "openai":
+                parsed = self._only_model(parsed)
             if parsed.model is not None:
                 model = parsed.model
             elif self.tgi_model is not None:
@@ -83,6 +96,17 @@ class Gateway:
             self.telemetry.requests.labels("none", "", api, str(err.status), "").inc()
             return error_response(api, err, request_id=rid)
         return await self.forwarder.relay(request, parsed, model)
+
+    def _only_model(self, parsed: ParsedRequest) -> ParsedRequest:
+        """An OpenAI request without ``model``: the one model served, as vLLM does when it serves one
+        (its first); with several, the client must choose (400 listing them)."""
+        served = self.router.models("openai")
+        if len(served) != 1:
+            listed = ", ".join(served)
+            raise ApiError(
+                400, f"`model` is required: this router serves several models ({listed})", param="model"
+            )
+        return with_model(parsed, served[0])
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, "openai", parse_chat)
@@ -145,7 +169,8 @@ class Gateway:
                 return error_response("openai", ApiError(401, "missing or wrong admin bearer token"))
         router = self.router
         last = [self.metrics.last_seen(i) for i in range(len(router.backends))]
-        sources = describe_backend_models(router.backends, last)
+        sources = describe_models(self.backend_models, last)
+        learner = self.learner
         out = []
         for i, spec in enumerate(router.backends):
             metrics = last[i]
@@ -181,6 +206,7 @@ class Gateway:
                     "engine_metrics_error": self.metrics.errors[i],
                     "model_sources": sources[i],
                     "profile": profile,
+                    "learned_model": learner.describe(i) if learner is not None else None,
                 }
             )
         body = {"policy": router.policy.name, "in_flight": router.ledger.in_flight(), "backends": out}
