@@ -1,20 +1,34 @@
 """The regularised, robust fit of one backend's latency model to live observations.
 
 Reduced form. From what the router sees of a finished request (see ``observation.py``) the data
-identifies seven numbers, ``θ = (p1, p3, c, p5, p6, p7, p8)`` with ``c = p2 + p4``:
+identifies five numbers, ``θ = (α, p5, p6, p7, p8)``:
 
-    TTFT_r ≈ p1·(P_r + I_r) + p3·I_r + c              T_prefill (method.md §3, Eq. 3) of r batched with
-                                                       the P_r prompt tokens queued ahead of it
+    TTFT_r ≈ α·T⁰_prefill(P_r + I_r, I_r)             the prior's prefill curve (method.md §3, Eq. 3) for
+             + τ_decode(L̄₀, b₀)                       r batched with the P_r prompt tokens queued ahead of
+                                                       it, scaled by α; plus one decode step of the b₀
+                                                       requests already running: the step that prefills r
+                                                       also decodes them (continuous batching). Half a step
+                                                       more for the step r arrives during would be the
+                                                       additive count; prefill and decode overlap inside
+                                                       a step, and 1 fitted the emulator better than 1.5
     TPOT_r ≈ p5·b̄_r·L̄_r + p6·b̄_r + p7·L̄_r + p8       τ_decode at the mean batch b̄ and mean context L̄
                                                        of r's decode
     e2e_r  ≈ TTFT_r + (O_r − 1)·TPOT_r                 a non-streaming answer shows only the sum
 
-``p2`` (the per-prompt cost inside one prefill batch) is not identifiable apart from ``p4``: the router
-never sees how many prompts the engine put in one prefill step, only the tokens queued ahead. It keeps
-its prior value and ``c`` absorbs the rest (``p4 = c − p2_prior``). ``b̄`` is the mean of the router's
-in-flight count on the backend at r's first token and at its end, capped by what fits in the KV cache
-(``cap / L̄``) and by ``max_num_seqs``; ``L̄`` is the mean context per in-flight request at those two
-instants.
+with ``T⁰_prefill(B, I) = p1⁰·B + p3⁰·I + p2⁰ + p4⁰`` (B prompt tokens in the batch). Why only a scale of
+the prefill curve: a TTFT seen at the router mixes the prefill itself, the queue ahead of it and the
+decode steps it shares, and the router never sees how the engine grouped prompts into prefill steps,
+so the split of prefill cost between p1 (per batched token), p2 (per prompt), p3 and p4 is not
+identifiable from live traffic; the curve's level is. Learning the four freely let queueing leak into
+them and halved p1 (measured: p99 TTFT doubled on paper-b). The decode curve is identifiable: TPOT is
+measured per request at a batch and context the router knows. The learned p1..p4 are α·p⁰.
+
+``b̄`` is the mean of the router's in-flight count on the backend at r's first token and at its end,
+capped by what fits in the KV cache (``cap / L̄``) and by ``max_num_seqs``, and scaled by the share
+of them the engine reports running (``num_requests_running``, when scraped); ``L̄`` is the mean
+context per in-flight request at those two instants. ``b₀`` is the number of other requests in
+flight at r's first token (capped the same way) and ``L̄₀`` their mean context. Sharing τ_decode
+between the TTFT and TPOT rows keeps the decode work of a busy backend out of α.
 
 The fit minimises relative error (each row is divided by its target, so a 50 ms TTFT counts as much
 as a 5 s one) with
@@ -26,11 +40,13 @@ as a 5 s one) with
 - an anchor on the prior: ``λ · Σ_k (s_k·(θ_k − θ0_k))²``, ``s_k`` the weighted RMS of column k of the
   relative design, so the penalty is in the rows' own units (λ = ``prior_strength`` pseudo-rows). With
   little evidence θ stays at the prior; as weighted rows accumulate the data takes over. A direction
-  the data does not excite (say p1 against p3 while nothing ever queues) stays at the prior;
-- bounds ``θ_k ≥ min(0, θ0_k)``, so a fitted step never turns negative where the prior was positive.
+  the data does not excite (p5 against p7 while the batch never changes) stays at the prior;
+- bounds ``α ≥ 0.01`` and ``p_k ≥ min(0, p_k⁰)``, so a fitted step never turns negative where the
+  prior was positive.
 
 Uncertainty is the diagonal of ``σ²·(AᵀA)⁻¹`` of the final weighted, augmented design, in the
-parameters' own units. Everything here is a pure function of its arguments.
+parameters' own units (propagated to p1..p4 through α). Everything here is a pure function of its
+arguments.
 """
 
 from __future__ import annotations
@@ -45,13 +61,14 @@ from scipy.optimize import lsq_linear
 from hetroute.learning.observation import Observation
 from hetroute.types import FloatArray
 
-THETA_NAMES = ("p1", "p3", "c", "p5", "p6", "p7", "p8")
-"""The identifiable parameters, in column order (``c = p2 + p4``)."""
+THETA_NAMES = ("alpha", "p5", "p6", "p7", "p8")
+"""The identifiable parameters, in column order (``alpha`` scales the prior's prefill curve)."""
 
 _MIN_TARGET_S = 1e-4
 _HUBER_K = 1.5
 _MIN_SIGMA = 0.05
 _IRLS_ROUNDS = 3
+_MIN_ALPHA = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,16 +94,22 @@ class FitResult:
     e2e_mape: float
 
 
-def theta_of(params: Sequence[float]) -> FloatArray:
-    """θ from p1..p8: (p1, p3, p2 + p4, p5, p6, p7, p8)."""
-    p = [float(v) for v in params]
-    return np.array([p[0], p[2], p[1] + p[3], p[4], p[5], p[6], p[7]], dtype=np.float64)
+def params_of(theta: FloatArray, prior: Sequence[float]) -> tuple[float, ...]:
+    """p1..p8 from θ: the prior's p1..p4 scaled by α, then p5..p8."""
+    a = float(theta[0])
+    return (*(a * float(v) for v in prior[:4]), *(float(v) for v in theta[1:]))
 
 
-def params_of(theta: FloatArray, p2: float) -> tuple[float, ...]:
-    """p1..p8 from θ with ``p2`` given: p4 = c − p2."""
-    t = [float(v) for v in theta]
-    return (t[0], p2, t[1], t[2] - p2, t[3], t[4], t[5], t[6])
+def prior_prefill_s(prior: Sequence[float], batch_tokens: float, input_tokens: float) -> float:
+    """T⁰_prefill: the prior's prefill curve for ``batch_tokens`` in the batch, r's ``input_tokens``."""
+    return float(prior[0]) * batch_tokens + float(prior[2]) * input_tokens + float(prior[1]) + float(prior[3])
+
+
+def running_share(obs: Observation) -> float:
+    """The share of the router's in-flight requests the engine was running at r's end (≤ 1)."""
+    if obs.engine_running is None or obs.in_flight_at_end <= 0:
+        return 1.0
+    return min(1.0, max(obs.engine_running, 1.0) / obs.in_flight_at_end)
 
 
 def decode_point(obs: Observation, capacity_tokens: float, max_num_seqs: float) -> tuple[float, float]:
@@ -95,14 +118,29 @@ def decode_point(obs: Observation, capacity_tokens: float, max_num_seqs: float) 
     n2 = max(obs.in_flight_at_end, 1.0)
     context = 0.5 * (obs.context_at_first / n1 + obs.context_at_end / n2)
     context = max(context, float(obs.input_tokens))
-    batch = 0.5 * (n1 + n2)
+    batch = max(0.5 * (n1 + n2) * running_share(obs), 1.0)
     if math.isfinite(capacity_tokens) and capacity_tokens > 0:
         batch = min(batch, max(1.0, capacity_tokens / max(context, 1.0)))
     return max(1.0, min(batch, max_num_seqs)), context
 
 
+_TTFT_DECODE_STEPS = 1.0
+
+
+def running_point(obs: Observation, capacity_tokens: float, max_num_seqs: float) -> tuple[float, float]:
+    """(b₀, L̄₀): the other requests decoding while r waits for its first token, and their context."""
+    others = max(obs.in_flight_at_first - 1.0, 0.0)
+    if others <= 0.0:
+        return 0.0, 0.0
+    context = max(obs.context_at_first - obs.input_tokens, 0.0) / others
+    batch = others * running_share(obs)
+    if math.isfinite(capacity_tokens) and capacity_tokens > 0:
+        batch = min(batch, max(1.0, capacity_tokens / max(context, 1.0)))
+    return min(batch, max_num_seqs), context
+
+
 def _rows(
-    observations: Sequence[Observation], capacity_tokens: float, max_num_seqs: float
+    observations: Sequence[Observation], prior: Sequence[float], capacity_tokens: float, max_num_seqs: float
 ) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
     """(design X, target y, kind (0 TTFT, 1 TPOT, 2 e2e), time) — one or two rows per observation."""
     xs: list[list[float]] = []
@@ -111,23 +149,25 @@ def _rows(
     times: list[float] = []
     for obs in observations:
         i = float(obs.input_tokens)
-        pre = [obs.pending_tokens_ahead + i, i, 1.0]
+        pre = [max(prior_prefill_s(prior, obs.pending_tokens_ahead + i, i), _MIN_TARGET_S)]
+        b0, length0 = running_point(obs, capacity_tokens, max_num_seqs)
+        busy = [v * _TTFT_DECODE_STEPS for v in (b0 * length0, b0, length0, 1.0)] if b0 > 0 else [0.0] * 4
         b, length = decode_point(obs, capacity_tokens, max_num_seqs)
         dec = [b * length, b, length, 1.0]
         steps = max(obs.output_tokens - 1, 0)
         decode_s = obs.decode_s
         if obs.ttft_s is not None and decode_s is not None:
-            xs.append([*pre, 0.0, 0.0, 0.0, 0.0])
+            xs.append([*pre, *busy])
             ys.append(obs.ttft_s)
             kinds.append(0)
             times.append(obs.finished_at_s)
             if steps >= 1 and decode_s > 0:
-                xs.append([0.0, 0.0, 0.0, *dec])
+                xs.append([0.0, *dec])
                 ys.append(decode_s / steps)
                 kinds.append(1)
                 times.append(obs.finished_at_s)
         else:
-            xs.append([*pre, *(steps * v for v in dec)])
+            xs.append([*pre, *(b_ + steps * v for b_, v in zip(busy, dec, strict=True))])
             ys.append(obs.e2e_s)
             kinds.append(2)
             times.append(obs.finished_at_s)
@@ -156,8 +196,8 @@ def fit_backend(
     With no usable row the prior comes back unchanged with zero samples.
     """
     prior = [float(v) for v in prior_params]
-    theta0 = theta_of(prior)
-    x, y, kinds, times = _rows(observations, capacity_tokens, max_num_seqs)
+    theta0 = np.array([1.0, *prior[4:]], dtype=np.float64)
+    x, y, kinds, times = _rows(observations, prior, capacity_tokens, max_num_seqs)
     if y.size == 0:
         return FitResult(tuple(prior), (0.0,) * 8, 0, 0.0, math.nan, math.nan, math.nan)
     age = np.maximum(now_s - times, 0.0)
@@ -165,32 +205,38 @@ def fit_backend(
     decay = np.where(times < regime_start_s, decay * settings.stale_weight, decay)
     xr = x / y[:, None]
     scale = np.sqrt(np.average(xr**2, axis=0, weights=decay))
-    scale = np.maximum(scale, 1e-3 * max(float(scale.max()), 1e-12))
+    scale = np.where(scale > 0.0, scale, 1.0)  # a column no row uses stays at the prior
     lam = math.sqrt(settings.prior_strength)
     lower = np.minimum(theta0, 0.0)
+    lower[0] = _MIN_ALPHA
     upper = np.full_like(theta0, np.inf)
     huber = np.ones_like(y)
     theta = theta0
     sigma = _MIN_SIGMA
     a = np.zeros((0, len(THETA_NAMES)))
+    # Solve in unit-RMS columns (z = θ·s): the raw columns span ten orders of magnitude, which
+    # stalls the bounded solver far from the optimum.
+    xs = xr / scale
+    z0 = theta0 * scale
     for _ in range(_IRLS_ROUNDS):
         w = np.sqrt(decay * huber)
-        a = np.vstack([xr * w[:, None], lam * np.diag(scale)])
-        rhs = np.concatenate([w, lam * scale * theta0])
-        theta = np.asarray(lsq_linear(a, rhs, bounds=(lower, upper), method="bvls").x, dtype=np.float64)
+        a = np.vstack([xs * w[:, None], lam * np.eye(len(THETA_NAMES))])
+        rhs = np.concatenate([w, lam * z0])
+        z = lsq_linear(a, rhs, bounds=(lower * scale, upper), method="bvls", tol=1e-12).x
+        theta = np.asarray(z, dtype=np.float64) / scale
         rel = xr @ theta - 1.0
         mad = float(np.median(np.abs(rel - np.median(rel))))
         sigma = max(1.4826 * mad, _MIN_SIGMA)
         huber = np.minimum(1.0, _HUBER_K * sigma / np.maximum(np.abs(rel), 1e-12))
     try:
-        cov = np.linalg.inv(a.T @ a) * sigma**2
+        cov = np.linalg.inv(a.T @ a) * sigma**2 / np.outer(scale, scale)
         err = np.sqrt(np.maximum(np.diag(cov), 0.0))
     except np.linalg.LinAlgError:
         err = np.full(len(THETA_NAMES), np.inf)
     rel = xr @ theta - 1.0
-    stderr = (float(err[0]), 0.0, float(err[1]), float(err[2]), *(float(v) for v in err[3:]))
+    stderr = (*(float(err[0]) * abs(v) for v in prior[:4]), *(float(v) for v in err[1:]))
     return FitResult(
-        params=params_of(theta, prior[1]),
+        params=params_of(theta, prior),
         stderr=stderr,
         samples=len(observations),
         effective_samples=float(decay.sum()),
@@ -207,6 +253,9 @@ def predict_e2e_s(
     p = [float(v) for v in params]
     i = float(obs.input_tokens)
     ttft = p[0] * (obs.pending_tokens_ahead + i) + p[1] + p[2] * i + p[3]
+    b0, length0 = running_point(obs, capacity_tokens, max_num_seqs)
+    if b0 > 0:
+        ttft += _TTFT_DECODE_STEPS * max(p[4] * b0 * length0 + p[5] * b0 + p[6] * length0 + p[7], 0.0)
     b, length = decode_point(obs, capacity_tokens, max_num_seqs)
     step = p[4] * b * length + p[5] * b + p[6] * length + p[7]
     return max(ttft, 0.0) + max(obs.output_tokens - 1, 0) * max(step, 0.0)

@@ -191,7 +191,6 @@ class LiveModels:
         for k, name in enumerate(PARAM_NAMES):
             live = (
                 fit is not None
-                and name != "p2"
                 and fit.samples >= DRIFT_WINDOW
                 and math.isfinite(stderr[k])
                 and stderr[k] <= _LIVE_REL_STDERR * max(abs(params[k]), 1e-12)

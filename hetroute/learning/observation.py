@@ -9,6 +9,10 @@ taken at three instants of the request's life:
 - at the end: ``in_flight_at_end`` and ``context_at_end``.
 
 ``ttft_s`` is None when the time to first token was not seen (a non-streaming answer arrives whole).
+``engine_running`` is the engine's own count of running sequences in the latest scrape at the end
+(None when the engine does not export it): the router's in-flight count also holds requests the
+engine keeps waiting, so the decode batch is scaled by ``engine_running / in_flight_at_end`` when
+that is below 1.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class Observation:
     context_at_first: float
     in_flight_at_end: float
     context_at_end: float
+    engine_running: float | None = None
 
     @property
     def decode_s(self) -> float | None:

@@ -14,7 +14,8 @@ Resolution order (documented fallbacks, never a failure):
 - latency: ``BackendSpec.profile`` → the roofline prior ``hetroute.prior.roofline_prior_profile(gpu,
   model, tp)`` from the backend's ``gpu``/``tp`` labels and its model → a neutral default
   (``NEUTRAL_PARAMS``: 0.2 ms per prompt token and 20 ms per decode step at any batch, i.e. every
-  unprofiled backend is equally fast and throughput grows with KV capacity);
+  unprofiled backend is equally fast and throughput grows with KV capacity). With live learning
+  (``hetroute.learning``) this is only the starting point: the snapshot's learned parameters win;
 - KV capacity: the snapshot's ``kv_capacity_tokens`` (the router's best known value: profile, engine
   metrics ``vllm:cache_config_info``, configured ``kv_capacity_tokens``) → the prior's computed
   capacity → the median of the other backends' static capacities → ``NEUTRAL_KV_CAPACITY_TOKENS``.
@@ -39,8 +40,11 @@ from hetroute.types import BackendSpec, ClusterSnapshot, EngineMetrics, FloatArr
 
 log = logging.getLogger(__name__)
 
-NEUTRAL_PARAMS = LatencyParams(p1=0.0, p2=0.0, p3=2e-4, p4=0.0, p5=0.0, p6=0.0, p7=0.0, p8=0.02)
-"""Used when a backend has neither a profile nor a usable prior: 0.2 ms per prompt token, 20 ms per step."""
+NEUTRAL_PARAMS = LatencyParams(p1=2e-4, p2=0.0, p3=0.0, p4=0.0, p5=0.0, p6=0.0, p7=0.0, p8=0.02)
+"""Used when a backend has neither a profile nor a usable prior: 0.2 ms per prompt token (in p1: prefill
+is compute-bound, so a batch of prompts costs per token, and the prefill-queue term ``p1 · P`` is
+live), 20 ms per decode step at any batch. Live learning scales the prefill curve and fits the decode
+curve from there."""
 
 NEUTRAL_KV_CAPACITY_TOKENS = 65536.0
 """KV capacity assumed when nothing (profile, metrics, config, prior, other backends) gives one."""

@@ -25,9 +25,10 @@ Params: ``theta`` (θ ≥ 0, default 2, the paper's value), ``kv_signal``, ``bat
 b from I + Õ as the paper; ``average``: from I + Õ/2, the mean footprint under continuous batching),
 ``latency_floor`` (default false; the latency floor of ``balanced_minmax``), ``prefill_queue`` and
 ``ttft_weight`` (default false / 0; the floor's prefill terms, see ``balanced_minmax``: they act only
-inside the latency floor), ``explore_share`` / ``explore_min_samples`` (default 0.05 / 20: the bounded
-exploration of backends the live learner has few observations of, see :meth:`MinMaxPolicy._explore`;
-inert without live learning), ``seed``.
+inside the latency floor), ``explore_share`` / ``explore_min_samples`` /
+``explore_max_output_tokens`` (default 0.05 / 10 / 128: the bounded exploration of backends the live
+learner has few observations of, see :meth:`MinMaxPolicy._explore`; inert without live learning),
+``seed``.
 
 With live learning the latency parameters come from the snapshot (``latency_params``), not from the
 static :class:`BackendModels` resolved at construction.
@@ -54,8 +55,10 @@ KV_SIGNALS: tuple[KvSignal, ...] = ("ledger", "paper", "engine", "max")
 BATCH_KV: tuple[BatchKv, ...] = ("full", "average")
 EXPLORE_SHARE = 0.05
 """Default ``explore_share``: at most 5 % of requests go to a backend that is still being learned."""
-EXPLORE_MIN_SAMPLES = 20
+EXPLORE_MIN_SAMPLES = 10
 """Default ``explore_min_samples``: observations after which a backend is no longer explored."""
+EXPLORE_MAX_OUTPUT_TOKENS = 128
+"""Default ``explore_max_output_tokens``: only requests predicted this short are used as probes."""
 MAX_EXPONENT = 30.0
 """Cap on θ·kvusage: e^30 ≈ 1e13 keeps loads finite and releases exact enough in float64."""
 
@@ -128,10 +131,12 @@ class MinMaxPolicy:
         ttft_weight: float = 0.0,
         explore_share: float = 0.0,
         explore_min_samples: int = 0,
+        explore_max_output_tokens: int = 0,
     ) -> None:
         self.name = name
         self.explore_share = explore_share
         self.explore_min_samples = explore_min_samples
+        self.explore_max_output_tokens = explore_max_output_tokens
         self.ttft_weight = ttft_weight
         self.latency_floor = latency_floor
         self.prefill_queue = prefill_queue
@@ -202,7 +207,7 @@ class MinMaxPolicy:
             own_tied = own[tied]
             tied = tied[own_tied <= float(own_tied.min()) + 1e-12 * max(1.0, abs(float(own_tied.min())))]
         k = int(tied[self._rng.randrange(tied.size)]) if tied.size > 1 else int(tied[0])
-        explored = self._explore(snapshot, candidates, k)
+        explored = self._explore(features, snapshot, candidates, k)
         if explored is not None:
             k = explored
         index = int(candidates[k])
@@ -217,20 +222,30 @@ class MinMaxPolicy:
             scores={"minmax_load": best, "T_s": float(t[k]), "kv_usage": float(u[k]), "w": cost},
         )
 
-    def _explore(self, snapshot: ClusterSnapshot, candidates: IntArray, chosen: int) -> int | None:
-        """The candidate to explore instead of ``chosen``, or None (bounded, decaying exploration).
+    def _explore(
+        self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray, chosen: int
+    ) -> int | None:
+        """The candidate to explore instead of ``chosen``, or None (bounded, decaying, cheap exploration).
 
-        Only with a learned model (``snapshot.model_samples``): the candidate with the fewest
-        observations, n, is taken with probability ``explore_share · (1 − n / explore_min_samples)``
-        when n < ``explore_min_samples`` and it is not already the choice. So each backend gets at most
-        about ``explore_min_samples`` requests it would not otherwise get, and none once it has them
-        (again after a detected drift, which restarts its count). No random draw happens otherwise,
-        so the decisions of a fully learned fleet are those of the plain policy.
+        Only with a learned model (``snapshot.model_samples``), only for a short request (predicted
+        output ≤ ``explore_max_output_tokens``) and only onto an idle backend, so a probe of a slow
+        backend costs a short request a few seconds at most and never queues behind anything: the
+        idle candidate with the fewest observations, n, is taken with probability
+        ``explore_share · (1 − n / explore_min_samples)`` when n < ``explore_min_samples`` and it is not
+        already the choice. Each backend thus gets at most about ``explore_min_samples`` such probes,
+        and none once it has that many observations (again after a detected drift, which restarts its
+        count). No random draw happens otherwise, so a fully learned fleet decides as the plain policy.
         """
         samples = snapshot.model_samples
-        if self.explore_share <= 0.0 or samples is None or candidates.size < 2:
+        if (
+            self.explore_share <= 0.0
+            or samples is None
+            or candidates.size < 2
+            or features.predicted_output_tokens > self.explore_max_output_tokens
+        ):
             return None
-        counts = samples[candidates]
+        idle = snapshot.requests_in_flight[candidates] == 0
+        counts = np.where(idle, samples[candidates], np.inf)
         k = int(np.argmin(counts))
         deficit = 1.0 - float(counts[k]) / max(self.explore_min_samples, 1)
         if deficit <= 0.0 or k == chosen:
@@ -253,9 +268,14 @@ def build_minmax(
     ttft_weight: float = 0.0,
 ) -> MinMaxPolicy:
     """Validate ``params`` (overriding the given defaults) and build a :class:`MinMaxPolicy`."""
-    allowed = ("theta", "kv_signal", "seed", "explore_share", "explore_min_samples") + (
-        () if unit_time else ("batch_kv", "latency_floor", "prefill_queue", "ttft_weight")
-    )
+    allowed = (
+        "theta",
+        "kv_signal",
+        "seed",
+        "explore_share",
+        "explore_min_samples",
+        "explore_max_output_tokens",
+    ) + (() if unit_time else ("batch_kv", "latency_floor", "prefill_queue", "ttft_weight"))
     check_known(params, allowed, name)
     signal = read_choice(params, "kv_signal", kv_signal, KV_SIGNALS)
     batch = read_choice(params, "batch_kv", batch_kv, BATCH_KV)
@@ -273,6 +293,9 @@ def build_minmax(
         ttft_weight=read_float(params, "ttft_weight", ttft_weight, minimum=0.0, maximum=1000.0),
         explore_share=read_float(params, "explore_share", EXPLORE_SHARE, minimum=0.0, maximum=1.0),
         explore_min_samples=read_int(params, "explore_min_samples", EXPLORE_MIN_SAMPLES, minimum=0),
+        explore_max_output_tokens=read_int(
+            params, "explore_max_output_tokens", EXPLORE_MAX_OUTPUT_TOKENS, minimum=1
+        ),
     )
 
 

@@ -225,6 +225,7 @@ class Router:
         i = ticket.backend_index
         first = ticket.first_token_at_s
         ttft = first - ticket.dispatched_at_s if streamed and first is not None else None
+        metrics = self._latest_metrics(i)
         learner.observe(
             Observation(
                 backend_index=i,
@@ -238,6 +239,7 @@ class Router:
                 context_at_first=ticket.context_at_first,
                 in_flight_at_end=float(ledger.requests_in_flight[i]),
                 context_at_end=float(ledger.input_tokens_in_flight[i] + ledger.generated_tokens_in_flight[i]),
+                engine_running=metrics.num_requests_running if metrics is not None else None,
             )
         )
 
