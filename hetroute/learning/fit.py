@@ -246,6 +246,15 @@ def fit_backend(
     )
 
 
+def predict_tpot_s(
+    params: Sequence[float], obs: Observation, capacity_tokens: float, max_num_seqs: float
+) -> float:
+    """The model's time per output token for ``obs``: τ_decode at its (b̄, L̄) (module docstring)."""
+    p = [float(v) for v in params]
+    b, length = decode_point(obs, capacity_tokens, max_num_seqs)
+    return max(p[4] * b * length + p[5] * b + p[6] * length + p[7], 0.0)
+
+
 def predict_e2e_s(
     params: Sequence[float], obs: Observation, capacity_tokens: float, max_num_seqs: float
 ) -> float:

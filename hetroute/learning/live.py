@@ -9,11 +9,12 @@ task in the gateway, the scrape tick in the simulator) and publishes new read-on
 them whole, so a snapshot that holds the old arrays never sees a half update. Policies read
 ``params`` (n×8, p1..p8) and ``samples`` through the cluster snapshot.
 
-Drift. Each observation's e2e is compared with what the published model predicted for it (before it
-was fitted on). When the median log-ratio of the last ``DRIFT_WINDOW`` observations exceeds
-``log(drift_ratio)`` in either direction, the backend has drifted: the regime starts at the oldest
-of those observations, older rows keep ``stale_weight`` of their weight, the exploration count restarts
-and the backend is refitted at the next refit.
+Drift. Each observation's time per output token (its e2e when the first token was not seen) is
+compared with what the published model predicted for it (before it was fitted on). When the median
+log-ratio of the last ``DRIFT_WINDOW`` observations exceeds ``log(drift_ratio)`` in either direction,
+the backend has drifted: the regime starts at the oldest of those observations, older rows keep
+``stale_weight`` of their weight, the exploration count restarts and the backend is refitted at the
+next refit.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 
 DRIFT_WINDOW = 16
 """Observations whose median residual decides a drift."""
+ERROR_WINDOW = 256
+"""Recent out-of-sample e2e errors kept per backend (``recent_e2e_errors``)."""
 _ERROR_EWMA = 0.05
 _LIVE_REL_STDERR = 0.5
 
@@ -58,6 +61,7 @@ class _Backend:
     prior: PriorModel
     observations: deque[Observation]
     residuals: deque[float]
+    errors: deque[float]
     regime_start_s: float = -math.inf
     since_regime: int = 0
     dirty: bool = False
@@ -65,6 +69,7 @@ class _Backend:
     error_ewma: float = math.nan
     drifts: int = 0
     observed_total: int = 0
+    drift_times_s: list[float] = field(default_factory=list)
 
 
 class LiveModels:
@@ -83,7 +88,10 @@ class LiveModels:
         self.names = tuple(names)
         self.config = config
         self.fit_settings = FitSettings(half_life_s=config.half_life_s, prior_strength=config.prior_strength)
-        self._b = [_Backend(p, deque(maxlen=config.window), deque(maxlen=DRIFT_WINDOW)) for p in priors]
+        self._b = [
+            _Backend(p, deque(maxlen=config.window), deque(maxlen=DRIFT_WINDOW), deque(maxlen=ERROR_WINDOW))
+            for p in priors
+        ]
         self._fallback_caps = np.array(capacities_tokens, dtype=np.float64)
         self._caps = self._fallback_caps.copy()
         self._max_seqs = np.array(max_num_seqs, dtype=np.float64)
@@ -117,6 +125,7 @@ class LiveModels:
                 b.since_regime = DRIFT_WINDOW
                 b.residuals.clear()
                 b.drifts += 1
+                b.drift_times_s.append(obs.finished_at_s)
                 log.warning(
                     "backend %s drifted: requests take %.2fx the model's prediction; re-learning",
                     self.names[i],
@@ -176,6 +185,15 @@ class LiveModels:
     def drifts(self, i: int) -> int:
         """Drifts detected on backend ``i`` since start."""
         return self._b[i].drifts
+
+    def drift_times_s(self, i: int) -> tuple[float, ...]:
+        """When each drift of backend ``i`` was detected (clock seconds)."""
+        return tuple(self._b[i].drift_times_s)
+
+    def recent_e2e_errors(self, i: int) -> tuple[float, ...]:
+        """|predicted / observed e2e − 1| of backend ``i``'s last requests, each predicted before the
+        model was fitted on it (oldest first, at most ``ERROR_WINDOW``)."""
+        return tuple(self._b[i].errors)
 
     def observed_total(self, i: int) -> int:
         return self._b[i].observed_total
