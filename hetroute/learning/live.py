@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetroute.latency import PARAM_NAMES
-from hetroute.learning.fit import FitResult, FitSettings, fit_backend, predict_e2e_s
+from hetroute.learning.fit import FitResult, FitSettings, fit_backend, predict_e2e_s, predict_tpot_s
 from hetroute.learning.observation import Observation
 from hetroute.learning.settings import LearningConfig
 from hetroute.types import FloatArray
@@ -60,7 +60,7 @@ class PriorModel:
 class _Backend:
     prior: PriorModel
     observations: deque[Observation]
-    residuals: deque[float]
+    residuals: deque[tuple[float, float]]
     errors: deque[float]
     regime_start_s: float = -math.inf
     since_regime: int = 0
@@ -70,6 +70,7 @@ class _Backend:
     drifts: int = 0
     observed_total: int = 0
     drift_times_s: list[float] = field(default_factory=list)
+    drift_pending: bool = False
 
 
 class LiveModels:
@@ -106,24 +107,41 @@ class LiveModels:
         """Record one successful request (its out-of-sample error first, then the drift check)."""
         b = self._b[obs.backend_index]
         i = obs.backend_index
-        predicted = predict_e2e_s(self.params[i], obs, float(self._caps[i]), float(self._max_seqs[i]))
+        cap, seqs = float(self._caps[i]), float(self._max_seqs[i])
+        predicted = predict_e2e_s(self.params[i], obs, cap, seqs)
         if obs.e2e_s > 0 and predicted > 0:
             err = abs(predicted / obs.e2e_s - 1.0)
+            b.errors.append(err)
             b.error_ewma = (
                 err if math.isnan(b.error_ewma) else b.error_ewma + _ERROR_EWMA * (err - b.error_ewma)
             )
-            b.residuals.append(math.log(obs.e2e_s / predicted))
+            # Drift is judged on the decode speed when it was seen (queueing does not blur it), else e2e.
+            decode_s = obs.decode_s
+            tpot = predict_tpot_s(self.params[i], obs, cap, seqs)
+            if decode_s is not None and obs.output_tokens >= 2 and decode_s > 0 and tpot > 0:
+                b.residuals.append((obs.finished_at_s, math.log(decode_s / (obs.output_tokens - 1) / tpot)))
+            else:
+                b.residuals.append((obs.finished_at_s, math.log(obs.e2e_s / predicted)))
         b.observations.append(obs)
         b.observed_total += 1
         b.since_regime += 1
         b.dirty = True
-        if b.fit is not None and b.fit.samples >= DRIFT_WINDOW and len(b.residuals) == DRIFT_WINDOW:
-            shift = float(np.median(np.array(b.residuals)))
-            if abs(shift) > math.log(self.config.drift_ratio):
-                oldest = len(b.observations) - DRIFT_WINDOW
-                b.regime_start_s = b.observations[max(oldest, 0)].finished_at_s
+        if (
+            b.fit is not None
+            and not b.drift_pending
+            and b.fit.samples >= DRIFT_WINDOW
+            and len(b.residuals) == DRIFT_WINDOW
+        ):
+            shift = float(np.median(np.array([r for _, r in b.residuals])))
+            limit = math.log(self.config.drift_ratio)
+            if abs(shift) > limit:
+                # The new regime starts at the first of the recent requests already on the drift's side.
+                b.regime_start_s = next(
+                    t for t, r in b.residuals if r * math.copysign(1.0, shift) > 0.5 * limit
+                )
                 b.since_regime = DRIFT_WINDOW
                 b.residuals.clear()
+                b.drift_pending = True  # judged again only against a model refitted on the new regime
                 b.drifts += 1
                 b.drift_times_s.append(obs.finished_at_s)
                 log.warning(
@@ -157,6 +175,9 @@ class LiveModels:
                 regime_start_s=b.regime_start_s,
             )
             params[i] = b.fit.params
+            if b.drift_pending:
+                b.drift_pending = False
+                b.residuals.clear()
             changed += 1
         if changed:
             params.flags.writeable = False
