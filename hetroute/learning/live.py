@@ -115,10 +115,14 @@ class LiveModels:
             b.error_ewma = (
                 err if math.isnan(b.error_ewma) else b.error_ewma + _ERROR_EWMA * (err - b.error_ewma)
             )
-            # Drift is judged on the decode speed when it was seen (queueing does not blur it), else e2e.
+            # Drift is judged on the decode speed when it was seen (queueing does not blur it), else e2e,
+            # and only against a model fitted on enough requests (not the prior while it is learned).
             decode_s = obs.decode_s
+            judged = b.fit is not None and b.fit.samples >= 2 * DRIFT_WINDOW
             tpot = predict_tpot_s(self.params[i], obs, cap, seqs)
-            if decode_s is not None and obs.output_tokens >= 2 and decode_s > 0 and tpot > 0:
+            if not judged:
+                pass
+            elif decode_s is not None and obs.output_tokens >= 2 and decode_s > 0 and tpot > 0:
                 b.residuals.append((obs.finished_at_s, math.log(decode_s / (obs.output_tokens - 1) / tpot)))
             else:
                 b.residuals.append((obs.finished_at_s, math.log(obs.e2e_s / predicted)))

@@ -26,7 +26,7 @@ b from I + Õ as the paper; ``average``: from I + Õ/2, the mean footprint under
 ``latency_floor`` (default false; the latency floor of ``balanced_minmax``), ``prefill_queue`` and
 ``ttft_weight`` (default false / 0; the floor's prefill terms, see ``balanced_minmax``: they act only
 inside the latency floor), ``explore_share`` / ``explore_min_samples`` /
-``explore_max_output_tokens`` (default 0.05 / 10 / 128: the bounded exploration of backends the live
+``explore_max_output_tokens`` (default 0.02 / 3 / 256: the bounded exploration of backends the live
 learner has few observations of, see :meth:`MinMaxPolicy._explore`; inert without live learning),
 ``seed``.
 
@@ -53,11 +53,11 @@ KvSignal = Literal["ledger", "paper", "engine", "max"]
 BatchKv = Literal["full", "average"]
 KV_SIGNALS: tuple[KvSignal, ...] = ("ledger", "paper", "engine", "max")
 BATCH_KV: tuple[BatchKv, ...] = ("full", "average")
-EXPLORE_SHARE = 0.05
-"""Default ``explore_share``: at most 5 % of requests go to a backend that is still being learned."""
-EXPLORE_MIN_SAMPLES = 10
+EXPLORE_SHARE = 0.02
+"""Default ``explore_share``: at most 2 % of requests go to a backend that is still being learned."""
+EXPLORE_MIN_SAMPLES = 3
 """Default ``explore_min_samples``: observations after which a backend is no longer explored."""
-EXPLORE_MAX_OUTPUT_TOKENS = 128
+EXPLORE_MAX_OUTPUT_TOKENS = 256
 """Default ``explore_max_output_tokens``: only requests predicted this short are used as probes."""
 MAX_EXPONENT = 30.0
 """Cap on θ·kvusage: e^30 ≈ 1e13 keeps loads finite and releases exact enough in float64."""

@@ -323,7 +323,13 @@ class Emulator:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
-            models_body(self.kind, self.served_model, self.created_unix, self.engine.max_model_len)
+            models_body(
+                self.kind,
+                self.served_model,
+                self.created_unix,
+                self.engine.max_model_len,
+                self.engine.config.model.hf_id or self.engine.config.model.name,
+            )
         )
 
     async def info(self, request: web.Request) -> web.Response:

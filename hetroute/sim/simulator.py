@@ -99,6 +99,8 @@ class SimResult:
     wall_s: float
     ledger_zero: bool
     extra: Mapping[str, float] = field(default_factory=dict)
+    learned: LiveModels | None = None
+    """The live models at the end of the run (``learning`` on), for inspection."""
 
     @property
     def throughput_tokens_per_s(self) -> float:
@@ -464,4 +466,5 @@ def _result(run: _Run, label: str, predictor: str, events: int, wall_s: float) -
         events=events,
         wall_s=wall_s,
         ledger_zero=run.router.ledger.is_zero(),
+        learned=run.learner,
     )
