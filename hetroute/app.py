@@ -27,7 +27,10 @@ from hetroute.backends.scrape import MetricsStore, scrape_loop
 from hetroute.clock import MonotonicClock
 from hetroute.config import ComponentConfig, Config
 from hetroute.policies import PolicyContext, build_policy
+from hetroute.proxy.client_limits import ClientGuard, limits_of
+from hetroute.proxy.connection import LINGERING_S, GuardedRunner
 from hetroute.proxy.forward import Forwarder, ForwardSettings
+from hetroute.proxy.local_errors import error_middleware
 from hetroute.proxy.protocols import TokenEstimator
 from hetroute.proxy.server import Gateway, add_routes
 from hetroute.routing.ledger import Ledger
@@ -45,6 +48,11 @@ TELEMETRY = web.AppKey("telemetry", Telemetry)
 FORWARDER = web.AppKey("forwarder", Forwarder)
 PREDICTOR = web.AppKey("predictor", OutputLengthPredictor)
 ESTIMATOR = web.AppKey("estimator", TokenEstimator)
+CLIENT_GUARD = web.AppKey("client_guard", ClientGuard)
+
+RUNNER_SHUTDOWN_S = 0.2
+"""aiohttp's own wait for handlers at ``runner.cleanup()``. The grace period is served before,
+by :func:`hetroute.proxy.drain.drain`; a bare ``cleanup()`` (tests, demo) cuts what still runs."""
 
 
 def tgi_model_of(cfg: Config, specs: tuple[BackendSpec, ...]) -> str | None:
@@ -107,8 +115,21 @@ def build_app(
         estimator=estimator,
         predictor=predictor,
         clock=clock,
-        settings=ForwardSettings(t.connect_s, t.first_byte_s, t.idle_s, cfg.retries.max_attempts),
+        settings=ForwardSettings(
+            t.connect_s,
+            t.first_byte_s,
+            t.idle_s,
+            cfg.retries.max_attempts,
+            request_s=t.request_s,
+            retry_request_timeouts=cfg.retries.retry_request_timeouts,
+        ),
         id_prefix=f"{random.Random(seed).getrandbits(32):08x}",
+    )
+    guard = ClientGuard(
+        limits_of(cfg.server),
+        telemetry=telemetry,
+        access_log=forwarder.access_log,
+        next_request_id=forwarder.next_request_id,
     )
     gateway = Gateway(
         forwarder=forwarder,
@@ -120,9 +141,14 @@ def build_app(
         admin_token=cfg.admin_token,
         tgi_model=tgi_model_of(cfg, specs),
         info_timeout_s=t.discovery_s,
+        body_timeout_s=cfg.server.body_timeout_s,
     )
 
-    app = web.Application(client_max_size=cfg.server.max_body_bytes)
+    app = web.Application(
+        client_max_size=cfg.server.max_body_bytes,
+        middlewares=[error_middleware(guard, clock, cfg.server.max_body_bytes)],
+    )
+    app[CLIENT_GUARD] = guard
     app[CONFIG] = cfg
     app[ROUTER] = router
     app[LEDGER] = ledger
@@ -176,12 +202,18 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
 
 def make_runner(app: web.Application) -> web.AppRunner:
     """The runner every entry point uses: handlers are cancelled when their client goes away
-    (so the upstream request is aborted at once) and shutdown waits for in-flight streams."""
-    return web.AppRunner(
+    (so the upstream request is aborted at once) and connections have client deadlines
+    (:mod:`hetroute.proxy.connection`). Graceful shutdown is :func:`hetroute.proxy.drain.drain`."""
+    server = app[CONFIG].server
+    return GuardedRunner(
         app,
+        guard=app[CLIENT_GUARD],
         handler_cancellation=True,
         access_log=None,
-        shutdown_timeout=app[CONFIG].server.shutdown_grace_s,
+        shutdown_timeout=RUNNER_SHUTDOWN_S,
+        # aiohttp's own idle close is only a backstop: the guard closes idle connections first
+        keepalive_timeout=2 * server.keepalive_idle_s + 1.0,
+        lingering_time=LINGERING_S,
     )
 
 

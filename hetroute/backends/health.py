@@ -44,6 +44,7 @@ class BackendHealth:
     ejections_total: int = 0
     last_probe_at_s: float | None = None
     last_error: str | None = None
+    last_success_at_s: float | None = None
 
 
 class HealthTracker:
@@ -96,8 +97,14 @@ class HealthTracker:
         h = self.states[i]
         h.consecutive_failures = 0
         now = self.clock.now()
+        h.last_success_at_s = now
         if not self.is_ejected(i, now):
             self._decay(h, now)
+
+    def succeeded_since(self, i: int, since_s: float) -> bool:
+        """True when backend ``i`` answered a request successfully at or after ``since_s``."""
+        last = self.states[i].last_success_at_s
+        return last is not None and last >= since_s
 
     def record_failure(self, i: int, error: str) -> bool:
         """An upstream failure; True when it ejected the backend."""
