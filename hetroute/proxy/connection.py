@@ -23,12 +23,13 @@ import logging
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import BadHttpMethod, ContentEncodingError, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from hetroute.proxy.api_errors import ApiError, error_body
 from hetroute.proxy.client_limits import ClientGuard, ConnectionDeadline, raw_error_response
+from hetroute.proxy.encodings import SUPPORTED_ENCODINGS
 
 log = logging.getLogger("hetroute.connection")
 
@@ -41,6 +42,9 @@ def parser_error(exc: BaseException | None) -> ApiError:
     """The client-facing error for an exception of aiohttp's HTTP parser (no client bytes)."""
     if isinstance(exc, LineTooLong):
         return ApiError(431, "a request line or header field is too long")
+    if isinstance(exc, ContentEncodingError):  # at head time: no decoder for it (br, zstd)
+        supported = ", ".join(SUPPORTED_ENCODINGS)
+        return ApiError(415, f"unsupported Content-Encoding; supported: {supported} or identity")
     if isinstance(exc, BadHttpMethod):
         return ApiError(400, "malformed request line or unsupported HTTP method")
     message = str(getattr(exc, "message", "") or "")
@@ -99,7 +103,11 @@ class GuardedRequestHandler(RequestHandler):
         self, request: BaseRequest, resp: web.StreamResponse, start_time: float | None
     ) -> tuple[web.StreamResponse, bool]:
         result = await super().finish_response(request, resp, start_time)
-        if not self._messages:
+        if resp.status == 408 or request.content.exception() is not None:
+            # A stalled or broken body: close now. aiohttp's lingering read of the rest would
+            # wait, or re-raise the body's error as an "Unhandled exception" with a traceback.
+            self.force_close()
+        elif not self._messages:
             self._deadline.ready(self._loop.time())
             self._arm()
         return result
