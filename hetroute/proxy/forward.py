@@ -391,11 +391,13 @@ class Forwarder:
             error = "upstream stream ended early"
         if error is not None:
             rec.status, rec.error = 502, error
-            if watchdog.reason is None:  # not a shutdown
+            if watchdog.reason is None:
                 self.health.record_failure(ticket.backend_index, error)
-            event = (
-                openai_error_event(error) if parsed.api == "openai" else tgi_error_event(error, "upstream")
-            )
+                openai_event, tgi_type = openai_error_event(error), "upstream"
+            else:  # ended by the gateway's shutdown, not by the backend
+                rec.status = 503
+                openai_event, tgi_type = openai_error_event(error, "service_unavailable", 503), "unhealthy"
+            event = openai_event if parsed.api == "openai" else tgi_error_event(error, tgi_type)
             try:
                 await out.write(event)
                 await out.write_eof()
