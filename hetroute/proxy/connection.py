@@ -102,6 +102,10 @@ class GuardedRequestHandler(RequestHandler):
     async def finish_response(
         self, request: BaseRequest, resp: web.StreamResponse, start_time: float | None
     ) -> tuple[web.StreamResponse, bool]:
+        if isinstance(resp, web.HTTPException) and resp.status >= 400:
+            # Raised by aiohttp outside the app's middleware (e.g. the expect handler of a
+            # system route): answer in the JSON shape too.
+            resp = self._error_response(request.rel_url.path, ApiError(resp.status, resp.reason))
         result = await super().finish_response(request, resp, start_time)
         if resp.status == 408 or request.content.exception() is not None:
             # A stalled or broken body: close now. aiohttp's lingering read of the rest would
@@ -167,7 +171,12 @@ class GuardedRequestHandler(RequestHandler):
             log.error("unhandled error answering %s", request.rel_url.path[:200], exc_info=exc)
             err = ApiError(500, "internal error")
             path = request.rel_url.path[:200]
+        return self._error_response(path, err)
+
+    def _error_response(self, path: str, err: ApiError) -> web.Response:
+        """An accounted, connection-closing JSON error in the OpenAI shape."""
         rid = self._guard.next_request_id()
+        path = path[:200]
         self._guard.local_error(api="openai", path=path, status=err.status, error=err.message, request_id=rid)
         resp = web.Response(
             status=err.status,
