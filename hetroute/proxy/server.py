@@ -3,8 +3,9 @@
 Owns the route table and the handlers for the client APIs (OpenAI ``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``; TGI ``/generate``, ``/generate_stream``, ``/info``),
 ``/health``, ``/metrics`` and ``/admin/backends``. Invariant: a request that is malformed,
-too large, for an unknown model or an unsupported path is answered here in the API's own
-error shape and never reaches a backend.
+too large, slow, badly encoded, for an unknown model or an unsupported path is answered here
+in the API's own error shape and never reaches a backend: handlers raise :class:`ApiError`,
+and the error middleware (:mod:`hetroute.proxy.local_errors`) answers, logs and counts it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from hetroute.proxy.local_errors import RELAYED, defer_expect
 from hetroute.proxy.protocols import ParsedRequest, parse_chat, parse_completions, parse_generate
 from hetroute.routing.router import Router
 from hetroute.telemetry import Telemetry
-from hetroute.types import Api
 
 OPENAI_POST_PATHS = ("/v1/chat/completions", "/v1/completions")
 TGI_POST_PATHS = ("/generate", "/generate_stream", "/")
@@ -82,7 +82,7 @@ class Gateway:
             ) from exc
 
     async def _handle(
-        self, request: web.Request, api: Api, parse: Callable[[bytes], ParsedRequest]
+        self, request: web.Request, parse: Callable[[bytes], ParsedRequest]
     ) -> web.StreamResponse:
         """Errors raised here are answered and accounted by the error middleware."""
         raw = await self._body(request)
@@ -100,19 +100,19 @@ class Gateway:
         return await self.forwarder.relay(request, parsed, model)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "openai", parse_chat)
+        return await self._handle(request, parse_chat)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "openai", parse_completions)
+        return await self._handle(request, parse_completions)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "tgi", lambda raw: parse_generate(raw, stream=False))
+        return await self._handle(request, lambda raw: parse_generate(raw, stream=False))
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "tgi", lambda raw: parse_generate(raw, stream=True))
+        return await self._handle(request, lambda raw: parse_generate(raw, stream=True))
 
     async def tgi_compat(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "tgi", lambda raw: parse_generate(raw, stream=None))
+        return await self._handle(request, lambda raw: parse_generate(raw, stream=None))
 
     async def models(self, request: web.Request) -> web.Response:
         seen: dict[str, str] = {}
