@@ -107,6 +107,10 @@ def _describe(cfg: Config) -> str:
             "predictor": cfg.predictor.type if cfg.predictor else "default",
             "backends": backends,
             "listen": f"{cfg.server.host}:{cfg.server.port}",
+            "client_limits": {
+                k: getattr(cfg.server, k)
+                for k in ("header_timeout_s", "body_timeout_s", "keepalive_idle_s", "max_connections")
+            },
             "admin_token": "set" if cfg.admin_token else "none",
         }
     )

@@ -16,7 +16,7 @@ from hetroute.app import CLIENT_GUARD
 from tests.conftest import MODEL, EmulateFn, GatewayFn, eventually, metric_sum
 from tests.integration.raw_http import exchange, parse_response, request
 
-SLACK_S = 0.5  # event-loop scheduling on a loaded 2-core machine
+SLACK_S = 1.0  # event-loop scheduling on a loaded 2-core machine
 
 
 def _port(url: str) -> int:
