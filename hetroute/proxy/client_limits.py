@@ -26,7 +26,7 @@ from typing import Literal
 
 from hetroute.access_log import AccessLog, AccessRecord
 from hetroute.config import ServerConfig
-from hetroute.proxy.api_errors import REQUEST_ID_HEADER, error_body
+from hetroute.proxy.api_errors import BACKEND_HEADER, REQUEST_ID_HEADER, error_body
 from hetroute.telemetry import Telemetry
 from hetroute.types import Api
 
@@ -99,6 +99,7 @@ def raw_error_response(status: int, message: str, request_id: str) -> bytes:
         "Content-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n"
         f"{REQUEST_ID_HEADER}: {request_id}\r\n"
+        f"{BACKEND_HEADER}: none\r\n"
         "Connection: close\r\n\r\n"
     )
     return head.encode("ascii") + body

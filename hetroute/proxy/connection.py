@@ -27,7 +27,7 @@ from aiohttp.http_exceptions import BadHttpMethod, ContentEncodingError, HttpPro
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from hetroute.proxy.api_errors import ApiError, error_body
+from hetroute.proxy.api_errors import BACKEND_HEADER, REQUEST_ID_HEADER, ApiError, error_body
 from hetroute.proxy.client_limits import ClientGuard, ConnectionDeadline, raw_error_response
 from hetroute.proxy.encodings import SUPPORTED_ENCODINGS
 
@@ -182,7 +182,7 @@ class GuardedRequestHandler(RequestHandler):
             status=err.status,
             body=error_body("openai", err.status, err.message),
             content_type="application/json",
-            headers={"x-request-id": rid},
+            headers={REQUEST_ID_HEADER: rid, BACKEND_HEADER: "none"},
         )
         resp.force_close()
         return resp

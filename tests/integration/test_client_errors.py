@@ -66,6 +66,7 @@ async def test_parser_errors_are_json_4xx_without_traceback(
     resp = await exchange(int(gw.url.rsplit(":", 1)[1]), PARSER_CASES[case])
     assert 400 <= resp.status < 500, (resp.status, resp.body[:200])
     assert resp.headers["content-type"].startswith("application/json")
+    assert resp.headers["x-hetroute-backend"] == "none" and resp.headers["x-request-id"]
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert MARK not in resp.body.decode("latin-1")

@@ -60,6 +60,7 @@ async def test_slowloris_headers_get_408_and_are_closed_within_the_bound(
         assert elapsed < limit_s + SLACK_S, elapsed
         resp = parse_response(data)
         assert resp.status == 408 and resp.headers["content-type"].startswith("application/json")
+        assert resp.headers["x-hetroute-backend"] == "none"
         assert resp.json()["error"]["type"] == "invalid_request_error"
     assert metric_sum(gw, "hetroute_client_connections_closed_total", reason="header_timeout") == 30
     assert metric_sum(gw, "hetroute_requests_total", backend="none", status="408") == 30
