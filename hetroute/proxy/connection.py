@@ -65,6 +65,7 @@ class GuardedRequestHandler(RequestHandler):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._admitted = False
+        self._lingering = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -91,6 +92,8 @@ class GuardedRequestHandler(RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # answered and closing: discard
         before = self._request_count
         super().data_received(data)
         if self._request_count != before:
@@ -145,10 +148,22 @@ class GuardedRequestHandler(RequestHandler):
         self._write_and_close(raw_error_response(408, message, rid))
 
     def _write_and_close(self, data: bytes) -> None:
+        """Send ``data``, then close after a lingering close.
+
+        The write side is shut at once (the client reads the answer, then EOF); what the
+        client still sends is discarded for at most :data:`LINGERING_S` before the socket is
+        closed. Closing at once would make the kernel answer that late data with a reset,
+        which can destroy the answer before the client has read it.
+        """
         transport = self.transport
-        if transport is not None and not transport.is_closing():
-            transport.write(data)  # close() flushes the buffer before closing
-        self.force_close()
+        if transport is None or transport.is_closing():
+            self.force_close()
+            return
+        self._lingering = True
+        transport.write(data)
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._loop.call_later(LINGERING_S, self.force_close)
 
     def handle_error(
         self,
