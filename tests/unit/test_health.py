@@ -1,4 +1,4 @@
-"""The health state machine: Envoy-style ejection with back-off, max %, probe un-ejection."""
+"""The health state machine: Envoy-style ejection with back-off, max %, probes that do not cut an ejection short."""
 
 from __future__ import annotations
 
