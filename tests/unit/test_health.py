@@ -1,4 +1,4 @@
-"""The health state machine: Envoy-style ejection with back-off, max %, probes that do not cut an ejection short."""
+"""The health state machine: Envoy-style ejection with back-off, max %, no early un-ejection."""
 
 from __future__ import annotations
 
