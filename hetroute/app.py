@@ -32,7 +32,10 @@ from hetroute.learning.live import LiveModels
 from hetroute.learning.state import load_saved, save_all
 from hetroute.policies import PolicyContext, build_policy
 from hetroute.policies.backend_model import BackendModels
+from hetroute.proxy.client_limits import ClientGuard, limits_of
+from hetroute.proxy.connection import LINGERING_S, GuardedRunner
 from hetroute.proxy.forward import Forwarder, ForwardSettings
+from hetroute.proxy.local_errors import error_middleware
 from hetroute.proxy.protocols import TokenEstimator
 from hetroute.proxy.server import Gateway, add_routes
 from hetroute.routing.ledger import Ledger
@@ -51,8 +54,13 @@ FORWARDER = web.AppKey("forwarder", Forwarder)
 PREDICTOR = web.AppKey("predictor", OutputLengthPredictor)
 ESTIMATOR = web.AppKey("estimator", TokenEstimator)
 LEARNER = web.AppKey("learner", LiveModels)
+CLIENT_GUARD = web.AppKey("client_guard", ClientGuard)
 
 log = logging.getLogger(__name__)
+
+RUNNER_SHUTDOWN_S = 0.2
+"""aiohttp's own wait for handlers at ``runner.cleanup()``. The grace period is served before,
+by :func:`hetroute.proxy.drain.drain`; a bare ``cleanup()`` (tests, demo) cuts what still runs."""
 
 
 def tgi_model_of(cfg: Config, specs: tuple[BackendSpec, ...]) -> str | None:
@@ -125,8 +133,21 @@ def build_app(
         estimator=estimator,
         predictor=predictor,
         clock=clock,
-        settings=ForwardSettings(t.connect_s, t.first_byte_s, t.idle_s, cfg.retries.max_attempts),
+        settings=ForwardSettings(
+            t.connect_s,
+            t.first_byte_s,
+            t.idle_s,
+            cfg.retries.max_attempts,
+            request_s=t.request_s,
+            retry_request_timeouts=cfg.retries.retry_request_timeouts,
+        ),
         id_prefix=f"{random.Random(seed).getrandbits(32):08x}",
+    )
+    guard = ClientGuard(
+        limits_of(cfg.server),
+        telemetry=telemetry,
+        access_log=forwarder.access_log,
+        next_request_id=forwarder.next_request_id,
     )
     gateway = Gateway(
         forwarder=forwarder,
@@ -140,9 +161,14 @@ def build_app(
         info_timeout_s=t.discovery_s,
         backend_models=backend_models,
         learner=learner,
+        body_timeout_s=cfg.server.body_timeout_s,
     )
 
-    app = web.Application(client_max_size=cfg.server.max_body_bytes)
+    app = web.Application(
+        client_max_size=cfg.server.max_body_bytes,
+        middlewares=[error_middleware(guard, clock, cfg.server.max_body_bytes)],
+    )
+    app[CLIENT_GUARD] = guard
     app[CONFIG] = cfg
     app[ROUTER] = router
     app[LEDGER] = ledger
@@ -228,12 +254,18 @@ async def learning_loop(learner: LiveModels, router: Router, cfg: Config) -> Non
 
 def make_runner(app: web.Application) -> web.AppRunner:
     """The runner every entry point uses: handlers are cancelled when their client goes away
-    (so the upstream request is aborted at once) and shutdown waits for in-flight streams."""
-    return web.AppRunner(
+    (so the upstream request is aborted at once) and connections have client deadlines
+    (:mod:`hetroute.proxy.connection`). Graceful shutdown is :func:`hetroute.proxy.drain.drain`."""
+    server = app[CONFIG].server
+    return GuardedRunner(
         app,
+        guard=app[CLIENT_GUARD],
         handler_cancellation=True,
         access_log=None,
-        shutdown_timeout=app[CONFIG].server.shutdown_grace_s,
+        shutdown_timeout=RUNNER_SHUTDOWN_S,
+        # aiohttp's own idle close is only a backstop: the guard closes idle connections first
+        keepalive_timeout=2 * server.keepalive_idle_s + 1.0,
+        lingering_time=LINGERING_S,
     )
 
 

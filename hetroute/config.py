@@ -39,16 +39,25 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     shutdown_grace_s: float = 30.0
     access_log: bool = True
+    header_timeout_s: float = 15.0
+    body_timeout_s: float = 60.0
+    keepalive_idle_s: float = 75.0
+    max_connections: int = 2048
 
 
 @dataclass(frozen=True, slots=True)
 class TimeoutsConfig:
-    """Upstream timeouts; none is unbounded. ``idle_s`` bounds the gap between chunks."""
+    """Upstream timeouts; none is unbounded. ``idle_s`` bounds the gap between chunks.
+
+    ``first_byte_s`` bounds a stream's first byte; ``request_s`` bounds a whole non-streaming
+    request (its engine answers nothing before the end).
+    """
 
     connect_s: float = 5.0
     first_byte_s: float = 120.0
     idle_s: float = 60.0
     discovery_s: float = 10.0
+    request_s: float = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +65,7 @@ class RetryConfig:
     """``max_attempts`` counts the first try: 3 means up to two fail-overs before the first byte."""
 
     max_attempts: int = 3
+    retry_request_timeouts: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,8 +247,11 @@ def _url(value: Any, path: str) -> str:
 
 # ---------------------------------------------------------------- sections
 
-_SERVER_KEYS = ("host", "port", "max_body_bytes", "shutdown_grace_s", "access_log")
-_TIMEOUT_KEYS = ("connect_s", "first_byte_s", "idle_s", "discovery_s")
+_SERVER_KEYS = (
+    "host", "port", "max_body_bytes", "shutdown_grace_s", "access_log",
+    "header_timeout_s", "body_timeout_s", "keepalive_idle_s", "max_connections",
+)  # fmt: skip
+_TIMEOUT_KEYS = ("connect_s", "first_byte_s", "idle_s", "discovery_s", "request_s")
 _HEALTH_KEYS = tuple(HealthConfig.__dataclass_fields__)
 _SCRAPE_KEYS = tuple(ScrapeConfig.__dataclass_fields__)
 _TOKENS_KEYS = tuple(TokensConfig.__dataclass_fields__)
@@ -267,6 +280,10 @@ def _server(raw: Any) -> ServerConfig:
         max_body_bytes=_int(d, "max_body_bytes", "server", dflt.max_body_bytes),
         shutdown_grace_s=_num(d, "shutdown_grace_s", "server", dflt.shutdown_grace_s),
         access_log=_bool(d, "access_log", "server", dflt.access_log),
+        header_timeout_s=_num(d, "header_timeout_s", "server", dflt.header_timeout_s),
+        body_timeout_s=_num(d, "body_timeout_s", "server", dflt.body_timeout_s),
+        keepalive_idle_s=_num(d, "keepalive_idle_s", "server", dflt.keepalive_idle_s),
+        max_connections=_int(d, "max_connections", "server", dflt.max_connections),
     )
 
 
@@ -474,7 +491,7 @@ def config_from_dict(
             )
         seen[b.name] = i
     retries = _mapping(root.get("retries"), "retries")
-    _check_keys(retries, ("max_attempts",), "retries")
+    _check_keys(retries, ("max_attempts", "retry_request_timeouts"), "retries")
     token = _str(root, "admin_token", "<root>", None) or env.get(ADMIN_TOKEN_ENV) or None
     seed = _int(root, "seed", "<root>", 0, minimum=0)
     return Config(
@@ -483,7 +500,10 @@ def config_from_dict(
         predictor=_component(root.get("predictor"), "predictor", None),
         server=_server(root.get("server")),
         timeouts=_timeouts(root.get("timeouts")),
-        retries=RetryConfig(_int(retries, "max_attempts", "retries", 3)),
+        retries=RetryConfig(
+            _int(retries, "max_attempts", "retries", 3),
+            _bool(retries, "retry_request_timeouts", "retries", False),
+        ),
         health=_health(root.get("health")),
         scrape=_scrape(root.get("scrape")),
         tokens=_tokens(root.get("tokens")),

@@ -78,6 +78,13 @@ class Telemetry:
             ["backend", "kind"],
             registry=r,
         )
+        self.client_closed = Counter(
+            "hetroute_client_connections_closed",
+            "Client connections the gateway closed or refused (idle, header_timeout, body_timeout, "
+            "too_many_connections).",
+            ["reason"],
+            registry=r,
+        )
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def bind_backends(

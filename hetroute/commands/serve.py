@@ -3,7 +3,8 @@
 Owns process-level concerns only: argument parsing, logging set-up, discovery of
 backends' engines and models, the uvloop event loop (installed here and nowhere else),
 and graceful shutdown: on SIGTERM/SIGINT the listener closes, in-flight streams get
-``server.shutdown_grace_s`` to finish, then the process exits.
+``server.shutdown_grace_s`` to finish, those still running then end with the API's error
+event (:mod:`hetroute.proxy.drain`), and the process exits within the grace period + 1 s.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import sys
 from dataclasses import replace
 from typing import TextIO
 
-from hetroute.app import build_app, start_app
+from hetroute.app import CLIENT_GUARD, FORWARDER, build_app, start_app
 from hetroute.backends.discovery import discover
 from hetroute.config import Config, load_config, quick_config
 from hetroute.errors import ConfigError
+from hetroute.proxy.admin_auth import admin_exposure_warning, read_token_file
+from hetroute.proxy.drain import drain
 
 log = logging.getLogger("hetroute.serve")
 
@@ -58,6 +61,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "start from them next time (overrides learning.state_dir)"
         ),
     )
+    p.add_argument(
+        "--admin-token-file",
+        metavar="FILE",
+        help="file holding the bearer token for /admin (overrides admin_token and HETROUTE_ADMIN_TOKEN)",
+    )
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     p.set_defaults(func=run)
 
@@ -83,7 +91,17 @@ def _load(args: argparse.Namespace) -> Config:
     learning = cfg.learning
     if args.state_dir:
         learning = replace(learning, state_dir=args.state_dir)
-    return replace(cfg, server=server, learning=learning)
+    cfg = replace(cfg, server=server, learning=learning)
+    if args.admin_token_file:
+        cfg = replace(cfg, admin_token=read_token_file(args.admin_token_file))
+    return cfg
+
+
+def warn_if_admin_exposed(cfg: Config) -> None:
+    """Log a WARNING when ``/admin`` is open to anyone who can reach a non-loopback listener."""
+    warning = admin_exposure_warning(cfg.server.host, cfg.admin_token)
+    if warning is not None:
+        log.warning("%s", warning)
 
 
 def _describe(cfg: Config) -> str:
@@ -103,6 +121,10 @@ def _describe(cfg: Config) -> str:
             "predictor": cfg.predictor.type if cfg.predictor else "default",
             "backends": backends,
             "listen": f"{cfg.server.host}:{cfg.server.port}",
+            "client_limits": {
+                k: getattr(cfg.server, k)
+                for k in ("header_timeout_s", "body_timeout_s", "keepalive_idle_s", "max_connections")
+            },
             "admin_token": "set" if cfg.admin_token else "none",
         }
     )
@@ -119,6 +141,7 @@ async def _serve(cfg: Config) -> None:
     """Discover, start, and on SIGTERM/SIGINT close the listener and drain in-flight requests."""
     cfg = await discover(cfg)
     log.info("effective config: %s", _describe(cfg))
+    warn_if_admin_exposed(cfg)
     out = sys.stdout
     app = build_app(cfg, access_sink=out.write)
     runner, port = await start_app(app, cfg.server.host, cfg.server.port)
@@ -134,8 +157,9 @@ async def _serve(cfg: Config) -> None:
     try:
         await stop.wait()
         log.info("shutting down: draining in-flight requests for up to %gs", cfg.server.shutdown_grace_s)
+        await drain(runner, app[FORWARDER], app[CLIENT_GUARD], cfg.server.shutdown_grace_s)
     finally:
-        await runner.cleanup()  # stops accepting, waits for handlers up to shutdown_grace_s
+        await runner.cleanup()  # no-op after drain; cuts everything on an error
         flusher.cancel()
         out.flush()
 

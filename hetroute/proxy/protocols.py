@@ -46,6 +46,8 @@ def _decode(raw: bytes) -> dict[str, Any]:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # e.g. 1,000 nested brackets: a client error, not a crash
+        raise ApiError(400, "request body is not valid JSON: nested too deeply") from exc
     if not isinstance(obj, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}")
     return obj
