@@ -134,6 +134,23 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="seconds between engine-metric scrapes (default: gateway's scrape.interval_s; 0: live)",
     )
+    p.add_argument(
+        "--learning",
+        choices=("on", "off"),
+        default="on",
+        help=(
+            "live latency learning as the gateway runs it (default on, like `hetroute serve`); "
+            "off: the policies use only the profile, roofline prior or neutral default"
+        ),
+    )
+    p.add_argument(
+        "--blind",
+        action="store_true",
+        help=(
+            "the router knows nothing of the engines (no GPU/TP labels, no profile, no catalog "
+            "model: the neutral default), as in front of engines serving a house model name"
+        ),
+    )
     p.add_argument("--json", type=Path, help="write the results as JSON")
     p.add_argument("--plot", type=Path, help="write a PNG plot of throughput and TTFT p99 against rate")
     p.set_defaults(func=run)
@@ -192,8 +209,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from hetroute.learning.settings import LearningConfig
     from hetroute.policies import resolve_policy_name
-    from hetroute.sim.cluster_file import build_fleet, load_cluster_file
+    from hetroute.sim.cluster_file import blind_fleet, build_fleet, load_cluster_file
     from hetroute.sim.report import (
         MatrixRun,
         build_document,
@@ -223,6 +241,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError("--requests", f"must be >= 1, got {args.requests}")
     cluster = get_scenario(args.scenario).cluster() if args.scenario else load_cluster_file(args.cluster)
     fleet = build_fleet(cluster)
+    if args.blind:
+        fleet = blind_fleet(fleet)
     is_trace = args.workload not in WORKLOAD_KINDS
     if is_trace and not Path(args.workload).is_file():
         raise ConfigError(
@@ -281,6 +301,7 @@ def _run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 scrape_interval_s=scrape_s,
                 label=spec.label,
+                learning=LearningConfig() if args.learning == "on" else None,
             )
             runs.append(MatrixRun(rate_label(rate), resolve_policy_name(spec.name), spec.params, result))
     elapsed = time.perf_counter() - started

@@ -11,7 +11,7 @@ import pytest
 from hetroute.latency import LatencyParams
 from hetroute.learning.settings import LearningConfig
 from hetroute.policies.backend_model import BackendModels
-from hetroute.sim.cluster_file import Fleet, build_fleet
+from hetroute.sim.cluster_file import Fleet, blind_fleet, build_fleet
 from hetroute.sim.scenarios import get_scenario
 from hetroute.sim.simulator import Slowdown, run_simulation
 from hetroute.sim.workload import generate_workload
@@ -24,8 +24,7 @@ def paper_a() -> Fleet:
 
 def nothing_known(fleet: Fleet) -> Fleet:
     """What a new user's `hetroute serve` knows of an engine serving a house model name: its URL."""
-    blind = tuple(replace(b, gpu=None, tp=None, labels={}, max_num_seqs=None) for b in fleet.backends)
-    return replace(fleet, backends=blind)
+    return blind_fleet(fleet)
 
 
 def wrong_prior(fleet: Fleet, factors: tuple[float, ...]) -> Fleet:
