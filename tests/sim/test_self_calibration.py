@@ -142,3 +142,18 @@ def test_exploration_learns_a_backend_the_policy_would_never_pick_and_stays_boun
     step = live.params[1, 5] * 4 + live.params[1, 7] + (live.params[1, 4] * 4 + live.params[1, 6]) * 400
     true_step = truth[5] * 4 + truth[7] + (truth[4] * 4 + truth[6]) * 400
     assert 0.5 < step / true_step < 2.0
+
+
+def test_the_learned_model_predicts_held_out_e2e_within_15_percent() -> None:
+    """Issue 9: once a backend has had 200 completions, each later request's e2e — predicted before the
+    model saw it — is within 15 % in median (nothing known at the start)."""
+    fleet = build_fleet(get_scenario("paper-b").cluster())
+    workload = generate_workload("sharegpt", 2000, 16.0, 1, fleet.max_model_len())
+    result = run_simulation(nothing_known(fleet), workload, "default", seed=1, learning=LearningConfig())
+    live = result.learned
+    assert live is not None
+    for i in range(len(fleet.backends)):
+        n = live.observed_total(i)
+        assert n >= 250, (i, n)
+        after_200 = live.recent_e2e_errors(i)[-(n - 200) :]
+        assert float(np.median(after_200)) < 0.15
