@@ -14,6 +14,7 @@ sessions close.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import AsyncIterator
 
@@ -28,8 +29,15 @@ from hetroute.backends.health import HealthTracker, probe_loop
 from hetroute.backends.scrape import MetricsStore, scrape_loop
 from hetroute.clock import MonotonicClock
 from hetroute.config import ComponentConfig, Config
+from hetroute.learning.build import build_live_models
+from hetroute.learning.live import LiveModels
+from hetroute.learning.state import load_saved, save_all
 from hetroute.policies import PolicyContext, build_policy
+from hetroute.policies.backend_model import BackendModels
+from hetroute.proxy.client_limits import ClientGuard, limits_of
+from hetroute.proxy.connection import LINGERING_S, GuardedRunner
 from hetroute.proxy.forward import Forwarder, ForwardSettings
+from hetroute.proxy.local_errors import error_middleware
 from hetroute.proxy.protocols import TokenEstimator
 from hetroute.proxy.server import Gateway, add_routes
 from hetroute.routing.ledger import Ledger
@@ -48,6 +56,14 @@ FORWARDER = web.AppKey("forwarder", Forwarder)
 PREDICTOR = web.AppKey("predictor", OutputLengthPredictor)
 ESTIMATOR = web.AppKey("estimator", TokenEstimator)
 ADMISSION = web.AppKey("admission", AdmissionGate)
+LEARNER = web.AppKey("learner", LiveModels)
+CLIENT_GUARD = web.AppKey("client_guard", ClientGuard)
+
+log = logging.getLogger(__name__)
+
+RUNNER_SHUTDOWN_S = 0.2
+"""aiohttp's own wait for handlers at ``runner.cleanup()``. The grace period is served before,
+by :func:`hetroute.proxy.drain.drain`; a bare ``cleanup()`` (tests, demo) cuts what still runs."""
 
 
 def tgi_model_of(cfg: Config, specs: tuple[BackendSpec, ...]) -> str | None:
@@ -79,7 +95,14 @@ def build_app(
     specs = cfg.specs()
     names = [s.name for s in specs]
 
-    policy = build_policy(cfg.policy.type, cfg.policy.params, PolicyContext(specs, seed))
+    # The backends' static latency models (profile → roofline prior → neutral default) are resolved
+    # once, here: the policy, the learner and /admin all read this one copy.
+    backend_models = BackendModels.from_specs(specs)
+    policy = build_policy(cfg.policy.type, cfg.policy.params, PolicyContext(specs, seed, backend_models))
+    learner: LiveModels | None = None
+    if cfg.learning.enabled:
+        saved = load_saved(cfg.learning.state_dir, specs) if cfg.learning.state_dir else {}
+        learner = build_live_models(backend_models, cfg.learning, saved)
     pred_cfg = cfg.predictor or ComponentConfig(DEFAULT_PREDICTOR)
     predictor = build_predictor(pred_cfg.type, pred_cfg.params, seed)
     telemetry = Telemetry(registry)
@@ -96,10 +119,13 @@ def build_app(
         is_available=health.is_available,
         latest_metrics=metrics.latest,
         on_decision=telemetry.on_decision,
+        learner=learner,
     )
     telemetry.bind_backends(
         names, health.is_available, metrics.age_s, lambda i: int(ledger.requests_in_flight[i])
     )
+    if learner is not None:
+        telemetry.bind_learner(names, learner)
     estimator = TokenEstimator(cfg.tokens.initial_chars_per_token, cfg.tokens.learn_rate)
     t = cfg.timeouts
     forwarder = Forwarder(
@@ -110,12 +136,26 @@ def build_app(
         estimator=estimator,
         predictor=predictor,
         clock=clock,
-        settings=ForwardSettings(t.connect_s, t.first_byte_s, t.idle_s, cfg.retries.max_attempts),
+        settings=ForwardSettings(
+            t.connect_s,
+            t.first_byte_s,
+            t.idle_s,
+            cfg.retries.max_attempts,
+            request_s=t.request_s,
+            retry_request_timeouts=cfg.retries.retry_request_timeouts,
+        ),
         id_prefix=f"{random.Random(seed).getrandbits(32):08x}",
     )
     adm = cfg.admission
     if adm.enabled:
-        forwarder.admission = AdmissionGate(adm, router, Placer(router, adm.full), clock, registry)
+        placer = Placer(router, adm.full, backend_models)
+        forwarder.admission = AdmissionGate(adm, router, placer, clock, registry)
+    guard = ClientGuard(
+        limits_of(cfg.server),
+        telemetry=telemetry,
+        access_log=forwarder.access_log,
+        next_request_id=forwarder.next_request_id,
+    )
     gateway = Gateway(
         forwarder=forwarder,
         router=router,
@@ -126,9 +166,16 @@ def build_app(
         admin_token=cfg.admin_token,
         tgi_model=tgi_model_of(cfg, specs),
         info_timeout_s=t.discovery_s,
+        backend_models=backend_models,
+        learner=learner,
+        body_timeout_s=cfg.server.body_timeout_s,
     )
 
-    app = web.Application(client_max_size=cfg.server.max_body_bytes)
+    app = web.Application(
+        client_max_size=cfg.server.max_body_bytes,
+        middlewares=[error_middleware(guard, clock, cfg.server.max_body_bytes)],
+    )
+    app[CLIENT_GUARD] = guard
     app[CONFIG] = cfg
     app[ROUTER] = router
     app[LEDGER] = ledger
@@ -141,6 +188,8 @@ def build_app(
     if forwarder.admission is not None:
         app[ADMISSION] = forwarder.admission
         app.on_cleanup.append(_close_admission)
+    if learner is not None:
+        app[LEARNER] = learner
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_background_tasks)
     add_routes(app, gateway)
@@ -181,20 +230,56 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
             asyncio.create_task(scrape_loop(app[METRICS], session, router.backends, i, cfg.scrape))
             for i in range(len(router.backends))
         ]
+    learner = app.get(LEARNER)
+    if learner is not None:
+        tasks.append(asyncio.create_task(learning_loop(learner, router, cfg)))
     yield
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    if learner is not None and cfg.learning.state_dir:
+        _save(learner, router, cfg.learning.state_dir)
+
+
+def _save(learner: LiveModels, router: Router, state_dir: str) -> None:
+    caps = router.snapshot().kv_capacity_tokens
+    try:
+        written = save_all(learner, router.backends, [float(c) for c in caps], state_dir)
+    except OSError as exc:
+        log.warning("could not save the learned models to %s: %s", state_dir, exc)
+        return
+    log.info("saved %d learned backend model(s) to %s", written, state_dir)
+
+
+async def learning_loop(learner: LiveModels, router: Router, cfg: Config) -> None:
+    """Refit the live models every ``learning.refit_interval_s`` (off the request path: requests only
+    append observations) and save them every ``learning.save_interval_s`` when a state dir is set."""
+    every = cfg.learning
+    clock = router.clock
+    last_save = clock.now()
+    while True:
+        await asyncio.sleep(every.refit_interval_s)
+        learner.set_capacities(router.snapshot().kv_capacity_tokens)
+        learner.refit(clock.now())
+        if every.state_dir and clock.now() - last_save >= every.save_interval_s:
+            last_save = clock.now()
+            _save(learner, router, every.state_dir)
 
 
 def make_runner(app: web.Application) -> web.AppRunner:
     """The runner every entry point uses: handlers are cancelled when their client goes away
-    (so the upstream request is aborted at once) and shutdown waits for in-flight streams."""
-    return web.AppRunner(
+    (so the upstream request is aborted at once) and connections have client deadlines
+    (:mod:`hetroute.proxy.connection`). Graceful shutdown is :func:`hetroute.proxy.drain.drain`."""
+    server = app[CONFIG].server
+    return GuardedRunner(
         app,
+        guard=app[CLIENT_GUARD],
         handler_cancellation=True,
         access_log=None,
-        shutdown_timeout=app[CONFIG].server.shutdown_grace_s,
+        shutdown_timeout=RUNNER_SHUTDOWN_S,
+        # aiohttp's own idle close is only a backstop: the guard closes idle connections first
+        keepalive_timeout=2 * server.keepalive_idle_s + 1.0,
+        lingering_time=LINGERING_S,
     )
 
 

@@ -25,6 +25,7 @@ import yaml
 from hetroute.admission.config import AdmissionConfig, parse_admission
 from hetroute.errors import ConfigError
 from hetroute.latency import LatencyProfile, ProfileError, load_profile
+from hetroute.learning.settings import LearningConfig
 from hetroute.policies import policy_names
 from hetroute.types import ENGINE_KINDS, BackendSpec, EngineKind
 
@@ -39,16 +40,25 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     shutdown_grace_s: float = 30.0
     access_log: bool = True
+    header_timeout_s: float = 15.0
+    body_timeout_s: float = 60.0
+    keepalive_idle_s: float = 75.0
+    max_connections: int = 2048
 
 
 @dataclass(frozen=True, slots=True)
 class TimeoutsConfig:
-    """Upstream timeouts; none is unbounded. ``idle_s`` bounds the gap between chunks."""
+    """Upstream timeouts; none is unbounded. ``idle_s`` bounds the gap between chunks.
+
+    ``first_byte_s`` bounds a stream's first byte; ``request_s`` bounds a whole non-streaming
+    request (its engine answers nothing before the end).
+    """
 
     connect_s: float = 5.0
     first_byte_s: float = 120.0
     idle_s: float = 60.0
     discovery_s: float = 10.0
+    request_s: float = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +66,7 @@ class RetryConfig:
     """``max_attempts`` counts the first try: 3 means up to two fail-overs before the first byte."""
 
     max_attempts: int = 3
+    retry_request_timeouts: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +160,7 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
     tokens: TokensConfig = field(default_factory=TokensConfig)
+    learning: LearningConfig = field(default_factory=LearningConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     admin_token: str | None = None
     default_model: str | None = None
@@ -237,11 +249,15 @@ def _url(value: Any, path: str) -> str:
 
 # ---------------------------------------------------------------- sections
 
-_SERVER_KEYS = ("host", "port", "max_body_bytes", "shutdown_grace_s", "access_log")
-_TIMEOUT_KEYS = ("connect_s", "first_byte_s", "idle_s", "discovery_s")
+_SERVER_KEYS = (
+    "host", "port", "max_body_bytes", "shutdown_grace_s", "access_log",
+    "header_timeout_s", "body_timeout_s", "keepalive_idle_s", "max_connections",
+)  # fmt: skip
+_TIMEOUT_KEYS = ("connect_s", "first_byte_s", "idle_s", "discovery_s", "request_s")
 _HEALTH_KEYS = tuple(HealthConfig.__dataclass_fields__)
 _SCRAPE_KEYS = tuple(ScrapeConfig.__dataclass_fields__)
 _TOKENS_KEYS = tuple(TokensConfig.__dataclass_fields__)
+_LEARNING_KEYS = tuple(LearningConfig.__dataclass_fields__)
 _BACKEND_KEYS = (
     "name", "url", "engine", "models", "weight", "labels", "gpu", "tp",
     "profile", "kv_capacity_tokens", "max_num_seqs",
@@ -249,7 +265,7 @@ _BACKEND_KEYS = (
 _DEFAULTS_KEYS = ("engine", "weight", "labels", "profile", "kv_capacity_tokens", "max_num_seqs")
 _TOP_KEYS = (
     "backends", "defaults", "profiles", "policy", "predictor", "server", "timeouts", "retries",
-    "health", "scrape", "tokens", "admin_token", "default_model", "seed", "admission",
+    "health", "scrape", "tokens", "learning", "admin_token", "default_model", "seed", "admission",
 )  # fmt: skip
 
 
@@ -266,6 +282,10 @@ def _server(raw: Any) -> ServerConfig:
         max_body_bytes=_int(d, "max_body_bytes", "server", dflt.max_body_bytes),
         shutdown_grace_s=_num(d, "shutdown_grace_s", "server", dflt.shutdown_grace_s),
         access_log=_bool(d, "access_log", "server", dflt.access_log),
+        header_timeout_s=_num(d, "header_timeout_s", "server", dflt.header_timeout_s),
+        body_timeout_s=_num(d, "body_timeout_s", "server", dflt.body_timeout_s),
+        keepalive_idle_s=_num(d, "keepalive_idle_s", "server", dflt.keepalive_idle_s),
+        max_connections=_int(d, "max_connections", "server", dflt.max_connections),
     )
 
 
@@ -325,6 +345,25 @@ def _tokens(raw: Any) -> TokensConfig:
     if rate > 1:
         raise ConfigError("tokens.learn_rate", f"must be in (0, 1], got {rate}")
     return TokensConfig(_num(d, "initial_chars_per_token", "tokens", dflt.initial_chars_per_token), rate)
+
+
+def _learning(raw: Any) -> LearningConfig:
+    d = _mapping(raw, "learning")
+    _check_keys(d, _LEARNING_KEYS, "learning")
+    dflt = LearningConfig()
+    ratio = _num(d, "drift_ratio", "learning", dflt.drift_ratio)
+    if ratio <= 1:
+        raise ConfigError("learning.drift_ratio", f"must be > 1, got {ratio}")
+    return LearningConfig(
+        enabled=_bool(d, "enabled", "learning", dflt.enabled),
+        refit_interval_s=_num(d, "refit_interval_s", "learning", dflt.refit_interval_s),
+        half_life_s=_num(d, "half_life_s", "learning", dflt.half_life_s),
+        window=_int(d, "window", "learning", dflt.window, minimum=8),
+        prior_strength=_num(d, "prior_strength", "learning", dflt.prior_strength),
+        drift_ratio=ratio,
+        state_dir=_str(d, "state_dir", "learning", dflt.state_dir),
+        save_interval_s=_num(d, "save_interval_s", "learning", dflt.save_interval_s),
+    )
 
 
 def _component(raw: Any, path: str, default_type: str | None) -> ComponentConfig | None:
@@ -454,7 +493,7 @@ def config_from_dict(
             )
         seen[b.name] = i
     retries = _mapping(root.get("retries"), "retries")
-    _check_keys(retries, ("max_attempts",), "retries")
+    _check_keys(retries, ("max_attempts", "retry_request_timeouts"), "retries")
     token = _str(root, "admin_token", "<root>", None) or env.get(ADMIN_TOKEN_ENV) or None
     seed = _int(root, "seed", "<root>", 0, minimum=0)
     return Config(
@@ -463,10 +502,14 @@ def config_from_dict(
         predictor=_component(root.get("predictor"), "predictor", None),
         server=_server(root.get("server")),
         timeouts=_timeouts(root.get("timeouts")),
-        retries=RetryConfig(_int(retries, "max_attempts", "retries", 3)),
+        retries=RetryConfig(
+            _int(retries, "max_attempts", "retries", 3),
+            _bool(retries, "retry_request_timeouts", "retries", False),
+        ),
         health=_health(root.get("health")),
         scrape=_scrape(root.get("scrape")),
         tokens=_tokens(root.get("tokens")),
+        learning=_learning(root.get("learning")),
         admission=parse_admission(root.get("admission")),
         admin_token=token,
         default_model=_str(root, "default_model", "<root>", None),

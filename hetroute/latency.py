@@ -24,6 +24,9 @@ import yaml
 
 SCHEMA_VERSION = 1
 PARAM_NAMES = ("p1", "p2", "p3", "p4", "p5", "p6", "p7", "p8")
+PROFILE_SOURCES = ("profiled", "roofline-prior", "live")
+"""``profiled``: ``hetroute profile`` against a live engine; ``roofline-prior``: derived from the catalogs;
+``live``: learned from served traffic by the router (``hetroute serve --state-dir``)."""
 
 
 class ProfileError(ValueError):
@@ -90,8 +93,9 @@ class EngineLimits:
 class LatencyProfile:
     """One fitted (or prior) latency model, shared by identical instances.
 
-    ``source`` is ``"profiled"`` for a fit against a live engine or ``"roofline-prior"``
-    for parameters derived from the GPU/model catalogs without measurement.
+    ``source`` is ``"profiled"`` for a fit against a live engine, ``"roofline-prior"``
+    for parameters derived from the GPU/model catalogs without measurement, or ``"live"`` for a
+    model the router learned from served traffic.
     ``kv_capacity_source`` says where the capacity came from (``"vllm:cache_config_info"``,
     ``"tgi:/info"``, ``"catalog"``, ...).
     """
@@ -193,8 +197,8 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> LatencyProfile:
     labels = {str(k): str(v) for k, v in labels_raw.items() if v is not None}
     sweep = dict(_mapping(source, root.get("sweep", {}) or {}, "sweep"))
     src = root.get("source", "profiled")
-    if src not in ("profiled", "roofline-prior"):
-        raise ProfileError(source, "source", f"expected 'profiled' or 'roofline-prior', got {src!r}")
+    if src not in PROFILE_SOURCES:
+        raise ProfileError(source, "source", f"expected one of {', '.join(PROFILE_SOURCES)}, got {src!r}")
     return LatencyProfile(
         params=params,
         kv_capacity_tokens=int(cap),

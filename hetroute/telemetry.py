@@ -15,6 +15,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from hetroute.learning.live import LiveModels
+
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 _DECISION_BUCKETS_S = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)
@@ -76,6 +78,13 @@ class Telemetry:
             ["backend", "kind"],
             registry=r,
         )
+        self.client_closed = Counter(
+            "hetroute_client_connections_closed",
+            "Client connections the gateway closed or refused (idle, header_timeout, body_timeout, "
+            "too_many_connections).",
+            ["reason"],
+            registry=r,
+        )
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def bind_backends(
@@ -101,6 +110,42 @@ class Telemetry:
             self.available.labels(name).set_function(_up)
             self.in_flight.labels(name).set_function(_busy)
             self.metrics_age.labels(name).set_function(_age)
+
+    def bind_learner(self, names: Sequence[str], learner: LiveModels) -> None:
+        """Export the live models' quality per backend, computed on scrape:
+        ``hetroute_model_e2e_error_ratio`` (EWMA of |predicted / observed e2e − 1| over requests the
+        model had not seen; NaN before the first), ``hetroute_model_samples`` (observations since the
+        last drift) and ``hetroute_model_drifts`` (drifts detected)."""
+        r = self.registry
+        error = Gauge(
+            "hetroute_model_e2e_error_ratio",
+            "Live latency model: EWMA of |predicted/observed e2e - 1| on requests not yet fitted.",
+            ["backend"],
+            registry=r,
+        )
+        samples = Gauge(
+            "hetroute_model_samples",
+            "Live latency model: observations since the last drift.",
+            ["backend"],
+            registry=r,
+        )
+        drifts = Gauge(
+            "hetroute_model_drifts", "Live latency model: drifts detected.", ["backend"], registry=r
+        )
+        for i, name in enumerate(names):
+
+            def _error(i: int = i) -> float:
+                return learner.e2e_error(i)
+
+            def _samples(i: int = i) -> float:
+                return float(learner.samples[i])
+
+            def _drifts(i: int = i) -> float:
+                return float(learner.drifts(i))
+
+            error.labels(name).set_function(_error)
+            samples.labels(name).set_function(_samples)
+            drifts.labels(name).set_function(_drifts)
 
     def on_decision(self, policy: str, backend: str, elapsed_s: float) -> None:
         self._child(self.decision, (policy,)).observe(elapsed_s)

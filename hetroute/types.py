@@ -120,6 +120,11 @@ class ClusterSnapshot:
       (profile, then engine metrics, then config).
 
     ``metrics[i]`` is the latest engine scrape or None.
+
+    ``latency_params`` (n×8, p1..p8 per backend) is the live-learned latency model when the router
+    learns (``hetroute.learning``), else None and policies use their static models (profile, roofline
+    prior, neutral default). ``model_samples[i]`` counts the observations behind backend i's model
+    since its last detected drift (None when not learning); policies use it to bound exploration.
     """
 
     now_s: float
@@ -134,6 +139,8 @@ class ClusterSnapshot:
     prefill_pending_tokens: FloatArray
     available: BoolArray
     kv_capacity_tokens: FloatArray
+    latency_params: FloatArray | None = None
+    model_samples: FloatArray | None = None
 
     @property
     def kv_tokens_in_flight(self) -> FloatArray:

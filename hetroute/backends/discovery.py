@@ -38,16 +38,20 @@ async def _tgi_info(session: aiohttp.ClientSession, base: str, timeout_s: float)
 
 async def _openai_models(
     session: aiohttp.ClientSession, base: str, timeout_s: float
-) -> tuple[tuple[str, ...], EngineKind] | None:
+) -> tuple[tuple[str, ...], EngineKind, str | None] | None:
+    """(model ids, engine kind, vLLM's ``root`` of the first model: the weights it was loaded from,
+    which names the architecture when ``--served-model-name`` gave it a house name)."""
     listing = await _get_json(session, base + "/v1/models", timeout_s)
     data = listing.get("data") if isinstance(listing, dict) else None
     if not isinstance(data, list):
         return None
-    ids = tuple(str(m["id"]) for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
+    models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    ids = tuple(str(m["id"]) for m in models)
     if not ids:
         return None
     owners = {m.get("owned_by") for m in data if isinstance(m, dict)}
-    return ids, ("vllm" if "vllm" in owners else "openai")
+    root = models[0].get("root")
+    return ids, ("vllm" if "vllm" in owners else "openai"), (root if isinstance(root, str) and root else None)
 
 
 async def discover_backend(
@@ -65,8 +69,13 @@ async def discover_backend(
         if backend.engine != "tgi":
             found = await _openai_models(session, backend.url, timeout_s)
             if found is not None:
-                ids, kind = found
-                return replace(backend, engine=backend.engine or kind, models=backend.models or ids)
+                ids, kind, root = found
+                labels = dict(backend.labels)
+                if root is not None and root not in ids and "model" not in labels:
+                    labels["model"] = root  # the catalog prior looks this name up first
+                return replace(
+                    backend, engine=backend.engine or kind, models=backend.models or ids, labels=labels
+                )
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         raise ConfigError(f"{path}.url", f"cannot reach {backend.url} for discovery: {exc}") from exc
     field = "models" if backend.engine is not None else "engine"

@@ -10,7 +10,10 @@ Outlier detection (Envoy ``outlier.rst`` semantics):
 - no ejection happens if it would put more than ``max_ejection_percent`` of the backends
   in ejection at once;
 - the multiplier decays by one for every ``base_ejection_s`` the backend then stays healthy;
-- a successful active probe un-ejects at once and clears the failure counter.
+- an ejection lasts its full ejection time: a successful active probe does not end it,
+  because a backend that fails every request can still pass ``/health`` (Envoy's
+  ``successful_active_health_check_uneject_host: false``); re-admission happens only
+  when the ejection time has passed.
 
 Time comes from the injected clock, so the state machine is tested with a ManualClock.
 """
@@ -41,6 +44,7 @@ class BackendHealth:
     ejections_total: int = 0
     last_probe_at_s: float | None = None
     last_error: str | None = None
+    last_success_at_s: float | None = None
 
 
 class HealthTracker:
@@ -93,8 +97,14 @@ class HealthTracker:
         h = self.states[i]
         h.consecutive_failures = 0
         now = self.clock.now()
+        h.last_success_at_s = now
         if not self.is_ejected(i, now):
             self._decay(h, now)
+
+    def succeeded_since(self, i: int, since_s: float) -> bool:
+        """True when backend ``i`` answered a request successfully at or after ``since_s``."""
+        last = self.states[i].last_success_at_s
+        return last is not None and last >= since_s
 
     def record_failure(self, i: int, error: str) -> bool:
         """An upstream failure; True when it ejected the backend."""
@@ -130,9 +140,7 @@ class HealthTracker:
                 if not h.probe_healthy:
                     h.healthy_since_s = now
                 h.probe_healthy = True
-            if h.ejected_until_s is not None:
-                self._end_ejection(h, now)  # Envoy: a successful active check un-ejects
-            return
+            return  # an ejection is not ended by a probe: it runs its full time
         h.last_error = error
         h.probe_successes = 0
         h.probe_failures += 1

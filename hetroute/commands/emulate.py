@@ -76,6 +76,20 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--slow-start-s", type=float, default=0.0, help="answer 503 for this many seconds")
     parser.add_argument("--hang-rate", type=float, default=0.0, help="fraction of requests never answered")
     parser.add_argument("--fail-mid-stream-after", type=int, help="drop each connection after K tokens")
+    parser.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        metavar="FACTOR",
+        help="from --slowdown-after-s on, every engine step takes FACTOR times as long (default 1: off)",
+    )
+    parser.add_argument(
+        "--slowdown-after-s",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="seconds after start when --slowdown begins (default 0)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -134,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
             hang_rate=args.hang_rate,
             slow_start_s=args.slow_start_s,
             fail_mid_stream_after_tokens=args.fail_mid_stream_after,
+            slowdown_factor=args.slowdown,
+            slowdown_after_s=args.slowdown_after_s,
         )
         engine = _engine(args)
         if args.speedup <= 0:

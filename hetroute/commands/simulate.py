@@ -138,6 +138,23 @@ def add_parser(subparsers: Any) -> None:
         help="seconds between engine-metric scrapes (default: gateway's scrape.interval_s; 0: live)",
     )
     p.add_argument(
+        "--learning",
+        choices=("on", "off"),
+        default="on",
+        help=(
+            "live latency learning as the gateway runs it (default on, like `hetroute serve`); "
+            "off: the policies use only the profile, roofline prior or neutral default"
+        ),
+    )
+    p.add_argument(
+        "--blind",
+        action="store_true",
+        help=(
+            "the router knows nothing of the engines (no GPU/TP labels, no profile, no catalog "
+            "model: the neutral default), as in front of engines serving a house model name"
+        ),
+    )
+    p.add_argument(
         "--admission",
         help="put the gateway's admission queue in front of the router: 'on' (its defaults) or a YAML "
         "file whose `admission:` section configures it (a router config works; every request is in "
@@ -221,8 +238,9 @@ def _admission(source: str | None) -> SimAdmission | None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from hetroute.learning.settings import LearningConfig
     from hetroute.policies import resolve_policy_name
-    from hetroute.sim.cluster_file import build_fleet, load_cluster_file
+    from hetroute.sim.cluster_file import blind_fleet, build_fleet, load_cluster_file
     from hetroute.sim.report import (
         MatrixRun,
         build_document,
@@ -252,6 +270,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError("--requests", f"must be >= 1, got {args.requests}")
     cluster = get_scenario(args.scenario).cluster() if args.scenario else load_cluster_file(args.cluster)
     fleet = build_fleet(cluster)
+    if args.blind:
+        fleet = blind_fleet(fleet)
     is_trace = args.workload not in WORKLOAD_KINDS
     if is_trace and not Path(args.workload).is_file():
         raise ConfigError(
@@ -311,6 +331,7 @@ def _run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 scrape_interval_s=scrape_s,
                 label=spec.label,
+                learning=LearningConfig() if args.learning == "on" else None,
                 admission=admission,
             )
             runs.append(MatrixRun(rate_label(rate), resolve_policy_name(spec.name), spec.params, result))

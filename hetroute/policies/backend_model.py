@@ -14,7 +14,8 @@ Resolution order (documented fallbacks, never a failure):
 - latency: ``BackendSpec.profile`` → the roofline prior ``hetroute.prior.roofline_prior_profile(gpu,
   model, tp)`` from the backend's ``gpu``/``tp`` labels and its model → a neutral default
   (``NEUTRAL_PARAMS``: 0.2 ms per prompt token and 20 ms per decode step at any batch, i.e. every
-  unprofiled backend is equally fast and throughput grows with KV capacity);
+  unprofiled backend is equally fast and throughput grows with KV capacity). With live learning
+  (``hetroute.learning``) this is only the starting point: the snapshot's learned parameters win;
 - KV capacity: the snapshot's ``kv_capacity_tokens`` (the router's best known value: profile, engine
   metrics ``vllm:cache_config_info``, configured ``kv_capacity_tokens``) → the prior's computed
   capacity → the median of the other backends' static capacities → ``NEUTRAL_KV_CAPACITY_TOKENS``.
@@ -39,8 +40,11 @@ from hetroute.types import BackendSpec, ClusterSnapshot, EngineMetrics, FloatArr
 
 log = logging.getLogger(__name__)
 
-NEUTRAL_PARAMS = LatencyParams(p1=0.0, p2=0.0, p3=2e-4, p4=0.0, p5=0.0, p6=0.0, p7=0.0, p8=0.02)
-"""Used when a backend has neither a profile nor a usable prior: 0.2 ms per prompt token, 20 ms per step."""
+NEUTRAL_PARAMS = LatencyParams(p1=2e-4, p2=0.0, p3=0.0, p4=0.0, p5=0.0, p6=0.0, p7=0.0, p8=0.02)
+"""Used when a backend has neither a profile nor a usable prior: 0.2 ms per prompt token (in p1: prefill
+is compute-bound, so a batch of prompts costs per token, and the prefill-queue term ``p1 · P`` is
+live), 20 ms per decode step at any batch. Live learning scales the prefill curve and fits the decode
+curve from there."""
 
 NEUTRAL_KV_CAPACITY_TOKENS = 65536.0
 """KV capacity assumed when nothing (profile, metrics, config, prior, other backends) gives one."""
@@ -199,15 +203,29 @@ class BackendModels:
         )
         return out
 
+    def rows(self, idx: IntArray, params: FloatArray | None) -> FloatArray:
+        """p1..p8 of backends ``idx``: from ``params`` (the snapshot's learned n×8 model) when given,
+        else the static model resolved at construction."""
+        out: FloatArray = (self.params if params is None else params)[idx]
+        return out
+
     def amortised_request_s(
-        self, idx: IntArray, input_tokens: float, output_tokens: float, capacity_tokens: FloatArray
+        self,
+        idx: IntArray,
+        input_tokens: float,
+        output_tokens: float,
+        capacity_tokens: FloatArray,
+        params: FloatArray | None = None,
     ) -> FloatArray:
-        """T_r^s (Eq. 5-6) for each backend in ``idx``; ``capacity_tokens`` aligned with ``idx``."""
+        """T_r^s (Eq. 5-6) for each backend in ``idx``; ``capacity_tokens`` aligned with ``idx``.
+
+        ``params`` (n×8) replaces the static p1..p8 when given: the snapshot's ``latency_params``.
+        """
         i = float(max(input_tokens, 0))
         o = float(max(output_tokens, 0))
         per_request = max(1.0, i + o)
         b = np.minimum(np.maximum(np.floor(capacity_tokens / per_request), 1.0), self.max_num_seqs[idx])
-        p = self.params[idx]
+        p = self.rows(idx, params)
         s = o * i + o * (o + 1.0) / 2.0
         total = (
             p[:, 0] * b * i
@@ -229,6 +247,7 @@ class BackendModels:
         output_tokens: float,
         batch: FloatArray,
         context_tokens: FloatArray,
+        params: FloatArray | None = None,
     ) -> FloatArray:
         """Latency of one request joining a running batch: its prefill alone, then Õ decode steps.
 
@@ -236,7 +255,7 @@ class BackendModels:
         their mean KV length, both aligned with ``idx``:
         ``T_prefill(1, I) + Õ · τ_decode(context + Õ/2, batch)`` (Eq. 3 and the per-step model).
         """
-        p = self.params[idx]
+        p = self.rows(idx, params)
         i = float(max(input_tokens, 0))
         o = float(max(output_tokens, 0))
         b = np.minimum(np.maximum(batch, 1.0), self.max_num_seqs[idx])
@@ -246,28 +265,35 @@ class BackendModels:
         out: FloatArray = np.maximum(prefill + o * step, 0.0)
         return out
 
-    def prefill_s(self, idx: IntArray, input_tokens: float) -> FloatArray:
+    def prefill_s(self, idx: IntArray, input_tokens: float, params: FloatArray | None = None) -> FloatArray:
         """T_prefill(1, I) per backend in ``idx``: one prompt prefilled alone (Eq. 3 with b = 1), ≥ 0."""
-        p = self.params[idx]
+        p = self.rows(idx, params)
         i = float(max(input_tokens, 0))
         out: FloatArray = np.maximum(p[:, 0] * i + p[:, 1] + p[:, 2] * i + p[:, 3], 0.0)
         return out
 
-    def prefill_queue_s(self, idx: IntArray, pending_tokens: FloatArray) -> FloatArray:
+    def prefill_queue_s(
+        self, idx: IntArray, pending_tokens: FloatArray, params: FloatArray | None = None
+    ) -> FloatArray:
         """Time to prefill the prompts already waiting on each backend: ``p1 · P_s`` (≥ 0).
 
         ``P_s`` (aligned with ``idx``) is Σ I of in-flight requests without a first token; ``p1`` is
         the per-token cost of a batched prefill (method.md §3, T_prefill(b, I) = p1·b·I + ...), since
         queued prompts are prefilled together (chunked prefill fills each step's token budget).
         """
-        out: FloatArray = np.maximum(self.params[idx, 0], 0.0) * np.maximum(pending_tokens, 0.0)
+        out: FloatArray = np.maximum(self.rows(idx, params)[:, 0], 0.0) * np.maximum(pending_tokens, 0.0)
         return out
 
     def saturated_throughput_tokens_s(
-        self, idx: IntArray, input_tokens: float, output_tokens: float, capacity_tokens: FloatArray
+        self,
+        idx: IntArray,
+        input_tokens: float,
+        output_tokens: float,
+        capacity_tokens: FloatArray,
+        params: FloatArray | None = None,
     ) -> FloatArray:
         """Token throughput (I + O per second) at the KV-saturating batch: (I + O) / T_r^s."""
-        t = self.amortised_request_s(idx, input_tokens, output_tokens, capacity_tokens)
+        t = self.amortised_request_s(idx, input_tokens, output_tokens, capacity_tokens, params)
         tokens = max(1.0, float(input_tokens) + float(output_tokens))
         out: FloatArray = tokens / np.maximum(t, 1e-12)
         return out
@@ -284,7 +310,14 @@ def describe_backend_models(
     capacity. With ``prior=None`` the catalog's roofline prior is used when importable.
     """
     chosen_prior = prior if prior is not None else default_prior()
-    models = BackendModels(backends, chosen_prior, log_fallbacks=False)
+    return describe_models(BackendModels(backends, chosen_prior, log_fallbacks=False), metrics)
+
+
+def describe_models(
+    models: BackendModels, metrics: Sequence[EngineMetrics | None] | None = None
+) -> tuple[str, ...]:
+    """:func:`describe_backend_models` for models already resolved (no catalog or prior work)."""
+    backends = models.backends
     lines = []
     for i, (spec, model) in enumerate(zip(backends, models.models, strict=True)):
         m = metrics[i] if metrics is not None and i < len(metrics) else None

@@ -11,19 +11,26 @@ import math
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hetroute.errors import ConfigError
 from hetroute.types import BackendSpec, IntArray, Policy
+
+if TYPE_CHECKING:
+    from hetroute.policies.backend_model import BackendModels
 
 PARAMS_PATH = "policy.params"
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyContext:
-    """What a policy factory may use: the configured backends and a seed for its RNG."""
+    """What a policy factory may use: the configured backends, a seed for its RNG, and the backends'
+    resolved static latency models when the composition root already built them (else the policy
+    builds its own: ``BackendModels.from_specs``)."""
 
     backends: tuple[BackendSpec, ...]
     seed: int = 0
+    backend_models: BackendModels | None = None
 
 
 PolicyFactory = Callable[[Mapping[str, object], PolicyContext], Policy]

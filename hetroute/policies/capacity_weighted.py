@@ -68,7 +68,7 @@ class CapacityWeighted:
             cls.name,
         )
         return cls(
-            BackendModels.from_specs(ctx.backends),
+            ctx.backend_models or BackendModels.from_specs(ctx.backends),
             high_water_mark=read_float(params, "high_water_mark", 0.9, minimum=0.01, maximum=1.0),
             expected_output_ratio=read_float(params, "expected_output_ratio", 0.6, minimum=0.0, maximum=1.0),
             reference_input_tokens=read_float(params, "reference_input_tokens", 230.0, minimum=0.0),
@@ -79,7 +79,11 @@ class CapacityWeighted:
         """Each candidate's saturated token throughput for the reference request."""
         cap = self.models.capacity_tokens(snapshot, candidates)
         return self.models.saturated_throughput_tokens_s(
-            candidates, self.reference_input_tokens, self.reference_output_tokens, cap
+            candidates,
+            self.reference_input_tokens,
+            self.reference_output_tokens,
+            cap,
+            snapshot.latency_params,
         )
 
     def choose(
@@ -87,7 +91,11 @@ class CapacityWeighted:
     ) -> RoutingDecision:
         cap = self.models.capacity_tokens(snapshot, candidates)
         rate = self.models.saturated_throughput_tokens_s(
-            candidates, self.reference_input_tokens, self.reference_output_tokens, cap
+            candidates,
+            self.reference_input_tokens,
+            self.reference_output_tokens,
+            cap,
+            snapshot.latency_params,
         )
         tokens = float(max(1, features.input_tokens + features.predicted_output_tokens))
         charge: FloatArray = tokens / rate

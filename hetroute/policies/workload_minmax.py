@@ -25,7 +25,13 @@ Params: ``theta`` (θ ≥ 0, default 2, the paper's value), ``kv_signal``, ``bat
 b from I + Õ as the paper; ``average``: from I + Õ/2, the mean footprint under continuous batching),
 ``latency_floor`` (default false; the latency floor of ``balanced_minmax``), ``prefill_queue`` and
 ``ttft_weight`` (default false / 0; the floor's prefill terms, see ``balanced_minmax``: they act only
-inside the latency floor), ``seed``.
+inside the latency floor), ``explore_share`` / ``explore_min_samples`` /
+``explore_max_output_tokens`` (default 0.02 / 3 / 256: the bounded exploration of backends the live
+learner has few observations of, see :meth:`MinMaxPolicy._explore`; inert without live learning),
+``seed``.
+
+With live learning the latency parameters come from the snapshot (``latency_params``), not from the
+static :class:`BackendModels` resolved at construction.
 ``memory_minmax`` (T ≡ 1) and ``balanced_minmax`` reuse :class:`MinMaxPolicy`.
 """
 
@@ -47,6 +53,12 @@ KvSignal = Literal["ledger", "paper", "engine", "max"]
 BatchKv = Literal["full", "average"]
 KV_SIGNALS: tuple[KvSignal, ...] = ("ledger", "paper", "engine", "max")
 BATCH_KV: tuple[BatchKv, ...] = ("full", "average")
+EXPLORE_SHARE = 0.02
+"""Default ``explore_share``: at most 2 % of requests go to a backend that is still being learned."""
+EXPLORE_MIN_SAMPLES = 3
+"""Default ``explore_min_samples``: observations after which a backend is no longer explored."""
+EXPLORE_MAX_OUTPUT_TOKENS = 256
+"""Default ``explore_max_output_tokens``: only requests predicted this short are used as probes."""
 MAX_EXPONENT = 30.0
 """Cap on θ·kvusage: e^30 ≈ 1e13 keeps loads finite and releases exact enough in float64."""
 
@@ -117,8 +129,14 @@ class MinMaxPolicy:
         latency_floor: bool = False,
         prefill_queue: bool = False,
         ttft_weight: float = 0.0,
+        explore_share: float = 0.0,
+        explore_min_samples: int = 0,
+        explore_max_output_tokens: int = 0,
     ) -> None:
         self.name = name
+        self.explore_share = explore_share
+        self.explore_min_samples = explore_min_samples
+        self.explore_max_output_tokens = explore_max_output_tokens
         self.ttft_weight = ttft_weight
         self.latency_floor = latency_floor
         self.prefill_queue = prefill_queue
@@ -141,7 +159,7 @@ class MinMaxPolicy:
             t: FloatArray = np.ones(len(candidates), dtype=np.float64)
         else:
             batch_cap = cap if self.batch_kv == "full" else cap * (i + o) / max(1.0, i + o / 2.0)
-            t = self.models.amortised_request_s(candidates, i, o, batch_cap)
+            t = self.models.amortised_request_s(candidates, i, o, batch_cap, snapshot.latency_params)
         u = kv_usage(snapshot, candidates, cap, self.kv_signal)
         g = np.maximum(u - 1.0, 0.0) if self.overflow_only else u
         w: FloatArray = t * np.exp(np.minimum(self.theta * g, MAX_EXPONENT))
@@ -156,13 +174,16 @@ class MinMaxPolicy:
             snapshot.input_tokens_in_flight[candidates] + snapshot.generated_tokens_in_flight[candidates]
         )
         mean_context = (context + features.input_tokens) / (n + 1.0)
+        params = snapshot.latency_params
         out = self.models.request_latency_s(
-            candidates, features.input_tokens, features.predicted_output_tokens, n + 1.0, mean_context
+            candidates, features.input_tokens, features.predicted_output_tokens, n + 1.0, mean_context, params
         )
         if self.prefill_queue:
-            out = out + self.models.prefill_queue_s(candidates, snapshot.prefill_pending_tokens[candidates])
+            out = out + self.models.prefill_queue_s(
+                candidates, snapshot.prefill_pending_tokens[candidates], params
+            )
         if self.ttft_weight > 0.0:
-            out = out + self.ttft_weight * self.models.prefill_s(candidates, features.input_tokens)
+            out = out + self.ttft_weight * self.models.prefill_s(candidates, features.input_tokens, params)
         return out
 
     def choose(
@@ -186,16 +207,50 @@ class MinMaxPolicy:
             own_tied = own[tied]
             tied = tied[own_tied <= float(own_tied.min()) + 1e-12 * max(1.0, abs(float(own_tied.min())))]
         k = int(tied[self._rng.randrange(tied.size)]) if tied.size > 1 else int(tied[0])
+        explored = self._explore(features, snapshot, candidates, k)
+        if explored is not None:
+            k = explored
         index = int(candidates[k])
         cost = float(w[k])
         if not math.isfinite(cost):  # pragma: no cover - guarded by MAX_EXPONENT; never charge ∞
             cost = float(np.finfo(np.float64).max) / 4
+        what = "explore (few samples)" if explored is not None else f"min-max load {best:.4g}"
         return RoutingDecision(
             index=index,
-            reason=f"min-max load {best:.4g}: T={t[k]:.4g}s kvusage={u[k]:.3f} w={cost:.4g}",
+            reason=f"{what}: T={t[k]:.4g}s kvusage={u[k]:.3f} w={cost:.4g}",
             workload_cost=cost,
             scores={"minmax_load": best, "T_s": float(t[k]), "kv_usage": float(u[k]), "w": cost},
         )
+
+    def _explore(
+        self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray, chosen: int
+    ) -> int | None:
+        """The candidate to explore instead of ``chosen``, or None (bounded, decaying, cheap exploration).
+
+        Only with a learned model (``snapshot.model_samples``), only for a short request (predicted
+        output ≤ ``explore_max_output_tokens``) and only onto an idle backend, so a probe of a slow
+        backend costs a short request a few seconds at most and never queues behind anything: the
+        idle candidate with the fewest observations, n, is taken with probability
+        ``explore_share · (1 − n / explore_min_samples)`` when n < ``explore_min_samples`` and it is not
+        already the choice. Each backend thus gets at most about ``explore_min_samples`` such probes,
+        and none once it has that many observations (again after a detected drift, which restarts its
+        count). No random draw happens otherwise, so a fully learned fleet decides as the plain policy.
+        """
+        samples = snapshot.model_samples
+        if (
+            self.explore_share <= 0.0
+            or samples is None
+            or candidates.size < 2
+            or features.predicted_output_tokens > self.explore_max_output_tokens
+        ):
+            return None
+        idle = snapshot.requests_in_flight[candidates] == 0
+        counts = np.where(idle, samples[candidates], np.inf)
+        k = int(np.argmin(counts))
+        deficit = 1.0 - float(counts[k]) / max(self.explore_min_samples, 1)
+        if deficit <= 0.0 or k == chosen:
+            return None
+        return k if self._rng.random() < self.explore_share * deficit else None
 
 
 def build_minmax(
@@ -213,15 +268,20 @@ def build_minmax(
     ttft_weight: float = 0.0,
 ) -> MinMaxPolicy:
     """Validate ``params`` (overriding the given defaults) and build a :class:`MinMaxPolicy`."""
-    allowed = ("theta", "kv_signal", "seed") + (
-        () if unit_time else ("batch_kv", "latency_floor", "prefill_queue", "ttft_weight")
-    )
+    allowed = (
+        "theta",
+        "kv_signal",
+        "seed",
+        "explore_share",
+        "explore_min_samples",
+        "explore_max_output_tokens",
+    ) + (() if unit_time else ("batch_kv", "latency_floor", "prefill_queue", "ttft_weight"))
     check_known(params, allowed, name)
     signal = read_choice(params, "kv_signal", kv_signal, KV_SIGNALS)
     batch = read_choice(params, "batch_kv", batch_kv, BATCH_KV)
     return MinMaxPolicy(
         name,
-        BackendModels.from_specs(ctx.backends),
+        ctx.backend_models or BackendModels.from_specs(ctx.backends),
         random.Random(read_int(params, "seed", ctx.seed)),
         theta=read_float(params, "theta", theta, minimum=0.0, maximum=100.0),
         unit_time=unit_time,
@@ -231,6 +291,11 @@ def build_minmax(
         latency_floor=read_bool(params, "latency_floor", latency_floor),
         prefill_queue=read_bool(params, "prefill_queue", prefill_queue),
         ttft_weight=read_float(params, "ttft_weight", ttft_weight, minimum=0.0, maximum=1000.0),
+        explore_share=read_float(params, "explore_share", EXPLORE_SHARE, minimum=0.0, maximum=1.0),
+        explore_min_samples=read_int(params, "explore_min_samples", EXPLORE_MIN_SAMPLES, minimum=0),
+        explore_max_output_tokens=read_int(
+            params, "explore_max_output_tokens", EXPLORE_MAX_OUTPUT_TOKENS, minimum=1
+        ),
     )
 
 

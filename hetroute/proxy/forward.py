@@ -3,8 +3,13 @@
 Owns the per-request proxy loop (house style §9):
 
 - a failure before any byte reached the client (connection refused/reset, 5xx, 429,
-  first-byte timeout) is retried on another eligible backend, at most ``max_attempts``
-  tries in all; a pooled keep-alive socket the upstream had already closed is retried at
+  a stream's first-byte timeout) is retried on another eligible backend, at most
+  ``max_attempts`` tries in all;
+- a non-streaming request is bounded by ``request_s`` as a whole (its engine sends nothing
+  before the end). Expiry answers ``504`` and is not retried (the engine accepted the work)
+  unless ``retry_request_timeouts``; it counts as a backend failure only when that backend
+  completed nothing else meanwhile (a slow request does not eject a working backend);
+- a pooled keep-alive socket the upstream had already closed is retried at
   once on a fresh connection (nothing was sent);
 - streams are relayed chunk by chunk (``readany``) without buffering; after the first
   byte an upstream failure ends the client's stream with an error event in the API's own
@@ -23,7 +28,7 @@ import asyncio
 import itertools
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import aiohttp
 from aiohttp import web
@@ -35,6 +40,7 @@ from hetroute.admission.queue import Shed
 from hetroute.backends.health import HealthTracker
 from hetroute.errors import NoBackendAvailable, UnknownModel
 from hetroute.proxy.api_errors import BACKEND_HEADER, REQUEST_ID_HEADER, ApiError, error_response
+from hetroute.proxy.hop_by_hop import strip_hop_by_hop
 from hetroute.proxy.protocols import ParsedRequest, TokenEstimator
 from hetroute.proxy.sse import OpenAIStreamTap, TgiStreamTap, openai_error_event, tgi_error_event
 from hetroute.proxy.watchdog import Watchdog, Watchdogs
@@ -43,12 +49,9 @@ from hetroute.routing.router import Router
 from hetroute.telemetry import Telemetry
 from hetroute.types import Clock, OutputLengthPredictor, RequestFeatures
 
-HOP_BY_HOP = frozenset(
-    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-     "te", "trailer", "trailers", "transfer-encoding", "upgrade"}
-)  # fmt: skip
-_DROP_REQUEST = tuple(HOP_BY_HOP | {"host", "content-length", "accept-encoding", "expect", REQUEST_ID_HEADER})
-_DROP_RESPONSE = tuple(HOP_BY_HOP | {"content-length", "date", "server", BACKEND_HEADER})
+# The body sent upstream is the decoded one (hetroute.proxy.encodings): no Content-Encoding.
+_DROP_REQUEST = ("host", "content-length", "content-encoding", "accept-encoding", "expect", REQUEST_ID_HEADER)
+_DROP_RESPONSE = ("content-length", "date", "server", BACKEND_HEADER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,10 @@ class ForwardSettings:
     first_byte_s: float
     idle_s: float
     max_attempts: int
+    request_s: float = 600.0
+    """Whole-request deadline of a non-streaming request (its engine answers only at the end)."""
+    retry_request_timeouts: bool = False
+    """Retry a non-streaming request elsewhere after ``request_s`` (the engine's work is lost)."""
 
 
 class _Failure(Exception):
@@ -139,6 +146,12 @@ class Forwarder:
         self._watchdogs = Watchdogs()
         self._id_prefix = id_prefix
         self.admission: AdmissionGate | None = None  # set by the app when the queue is enabled
+
+    def abort_in_flight(self, reason: str) -> int:
+        """End every request in flight now (shutdown after the grace period): streams get the
+        API's error event with ``reason``, requests before their first byte a ``503``; no backend
+        failure is recorded. Returns how many attempts were aborted."""
+        return self._watchdogs.expire_all(reason)
 
     def next_request_id(self) -> str:
         return f"{self._id_prefix}-{next(self._ids)}"
@@ -224,23 +237,22 @@ class Forwarder:
             )
         status = 504 if failure.timeout else 502
         rec.status = status
-        err = ApiError(status, f"upstream {rec.backend} failed: {failure.reason}")
+        # The reason's details (exception text with the backend's host:port) stay in the log.
+        cause = failure.reason.split(":")[0]
+        err = ApiError(status, f"no backend could answer ({cause}, {rec.attempts} attempt(s))")
         return error_response(parsed.api, err, backend=rec.backend or "none", request_id=rec.request_id)
 
     def _upstream_headers(self, request: web.Request, rid: str) -> CIMultiDict[str]:
         headers = CIMultiDict(request.headers)  # a C-level copy, then drop the few bad ones
-        for name in _DROP_REQUEST:
-            if name in headers:
-                del headers[name]
+        strip_hop_by_hop(headers, _DROP_REQUEST)
+        headers.setdefault("Content-Type", "application/json")  # the body is validated JSON
         headers["Accept-Encoding"] = "identity"  # we parse the stream, so no compression upstream
         headers[REQUEST_ID_HEADER] = rid
         return headers
 
     def _client_headers(self, resp: aiohttp.ClientResponse, backend: str, rid: str) -> CIMultiDict[str]:
         headers = CIMultiDict(resp.headers)
-        for name in _DROP_RESPONSE:
-            if name in headers:
-                del headers[name]
+        strip_hop_by_hop(headers, _DROP_RESPONSE)
         headers[BACKEND_HEADER] = backend
         headers[REQUEST_ID_HEADER] = rid
         return headers
@@ -270,7 +282,9 @@ class Forwarder:
         spec = self.router.backends[ticket.backend_index]
         i = ticket.backend_index
         resp: aiohttp.ClientResponse | None = None
-        watchdog = self._watchdogs.start(self.settings.first_byte_s)
+        sent_at = self.clock.now()
+        limit_s = self.settings.first_byte_s if parsed.stream else self.settings.request_s
+        watchdog = self._watchdogs.start(limit_s)
         try:
             try:
                 resp = await self._open(
@@ -291,8 +305,12 @@ class Forwarder:
             except asyncio.CancelledError as exc:
                 if not watchdog.fired():
                     raise
-                self.health.record_failure(i, "first-byte timeout")
-                raise _Failure("first-byte timeout", timeout=True) from exc
+                if watchdog.reason is not None:
+                    raise ApiError(503, watchdog.reason) from exc
+                if parsed.stream:
+                    self.health.record_failure(i, "first-byte timeout")
+                    raise _Failure("first-byte timeout", timeout=True) from exc
+                self._request_timeout(i, sent_at, rec)
             except (aiohttp.ClientError, OSError) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
                 self.health.record_failure(i, reason)
@@ -304,9 +322,28 @@ class Forwarder:
             if resp is not None:
                 resp.close()  # no-op when the payload was read; aborts the upstream otherwise
 
+    def _request_timeout(self, i: int, sent_at: float, rec: AccessRecord) -> NoReturn:
+        """A non-streaming request ran past ``request_s``; raises what ``relay`` answers."""
+        reason = f"request timeout ({self.settings.request_s:g} s)"
+        if not self.health.succeeded_since(i, sent_at):
+            self.health.record_failure(i, reason)  # no sign of life from the backend meanwhile
+        if self.settings.retry_request_timeouts:
+            raise _Failure(reason, timeout=True)
+        rec.error = reason
+        raise ApiError(504, f"the request did not complete within {self.settings.request_s:g} s")
+
     def _learn(
-        self, parsed: ParsedRequest, rec: AccessRecord, prompt: int | None, completion: int | None
+        self,
+        parsed: ParsedRequest,
+        rec: AccessRecord,
+        ticket: Ticket,
+        prompt: int | None,
+        completion: int | None,
+        *,
+        streamed: bool,
     ) -> None:
+        """A successful answer teaches the token estimator, the output-length predictor and, through
+        ``router.complete``, the backend's live latency model."""
         model = rec.model or ""
         self.estimator.observe(model, parsed.prompt_chars, prompt)
         if prompt is not None:
@@ -314,6 +351,7 @@ class Forwarder:
         if completion is not None:
             rec.completion_tokens = completion
             self.predictor.observe(model, rec.prompt_tokens or 0, completion)
+            self.router.complete(ticket, completion, input_tokens=prompt, streamed=streamed)
 
     def _complete(
         self,
@@ -329,7 +367,7 @@ class Forwarder:
         rec.ttft_s, rec.status = now - start, resp.status
         self.health.record_success(ticket.backend_index)
         if resp.status == 200:
-            self._learn(parsed, rec, *_usage_of(parsed.api, body))
+            self._learn(parsed, rec, ticket, *_usage_of(parsed.api, body), streamed=False)
         headers = self._client_headers(resp, ticket.backend_name, rec.request_id)
         return web.Response(status=resp.status, body=body, headers=headers)
 
@@ -376,10 +414,13 @@ class Forwarder:
             error = "upstream stream ended early"
         if error is not None:
             rec.status, rec.error = 502, error
-            self.health.record_failure(ticket.backend_index, error)
-            event = (
-                openai_error_event(error) if parsed.api == "openai" else tgi_error_event(error, "upstream")
-            )
+            if watchdog.reason is None:
+                self.health.record_failure(ticket.backend_index, error)
+                openai_event, tgi_type = openai_error_event(error), "upstream"
+            else:  # ended by the gateway's shutdown, not by the backend
+                rec.status = 503
+                openai_event, tgi_type = openai_error_event(error, "service_unavailable", 503), "unhealthy"
+            event = openai_event if parsed.api == "openai" else tgi_error_event(error, tgi_type)
             try:
                 await out.write(event)
                 await out.write_eof()
@@ -393,8 +434,10 @@ class Forwarder:
         self._learn(
             parsed,
             rec,
+            ticket,
             tap.prompt_tokens,
             tap.completion_tokens if tap.completion_tokens is not None else tap.events,
+            streamed=True,
         )
         try:
             await out.write_eof()
@@ -437,7 +480,7 @@ class Forwarder:
                     observe(ticket, reported)
         except asyncio.CancelledError:
             if watchdog.fired():
-                return f"upstream idle for more than {self.settings.idle_s:g} s", False
+                return watchdog.reason or f"upstream idle for more than {self.settings.idle_s:g} s", False
             raise
         observe(ticket, tap.events)
         rest = tap.flush()

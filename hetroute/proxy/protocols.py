@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from hetroute.proxy.api_errors import ApiError
@@ -46,6 +46,8 @@ def _decode(raw: bytes) -> dict[str, Any]:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # e.g. 1,000 nested brackets: a client error, not a crash
+        raise ApiError(400, "request body is not valid JSON: nested too deeply") from exc
     if not isinstance(obj, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}")
     return obj
@@ -69,11 +71,21 @@ def _opt_bool(obj: Mapping[str, Any], key: str, param: str) -> bool:
     return value
 
 
-def _model(obj: Mapping[str, Any]) -> str:
+def _model(obj: Mapping[str, Any]) -> str | None:
+    """The request's model; None when absent, null or empty (the gateway then picks the only one)."""
     model = obj.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None or model == "":
+        return None
+    if not isinstance(model, str):
         raise ApiError(400, "`model` must be a non-empty string", param="model")
     return model
+
+
+def with_model(parsed: ParsedRequest, model: str) -> ParsedRequest:
+    """``parsed`` for ``model``, the name written into the forwarded body (older engines need it)."""
+    obj = json.loads(parsed.body)
+    obj["model"] = model
+    return replace(parsed, model=model, body=json.dumps(obj).encode())
 
 
 def _content_chars(content: Any, param: str) -> int:

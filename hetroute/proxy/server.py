@@ -3,13 +3,14 @@
 Owns the route table and the handlers for the client APIs (OpenAI ``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``; TGI ``/generate``, ``/generate_stream``, ``/info``),
 ``/health``, ``/metrics`` and ``/admin/backends``. Invariant: a request that is malformed,
-too large, for an unknown model or an unsupported path is answered here in the API's own
-error shape and never reaches a backend.
+too large, slow, badly encoded, for an unknown model or an unsupported path is answered here
+in the API's own error shape and never reaches a backend: handlers raise :class:`ApiError`,
+and the error middleware (:mod:`hetroute.proxy.local_errors`) answers, logs and counts it.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import asdict
@@ -19,13 +20,22 @@ from aiohttp import web
 
 from hetroute.backends.health import HealthTracker
 from hetroute.backends.scrape import MetricsStore
-from hetroute.policies.backend_model import describe_backend_models
-from hetroute.proxy.api_errors import ApiError, error_response
+from hetroute.learning.live import LiveModels
+from hetroute.policies.backend_model import BackendModels, describe_models
+from hetroute.proxy.admin_auth import bearer_token_matches
+from hetroute.proxy.api_errors import ApiError
+from hetroute.proxy.encodings import body_error, check_content_encoding
 from hetroute.proxy.forward import Forwarder
-from hetroute.proxy.protocols import ParsedRequest, parse_chat, parse_completions, parse_generate
+from hetroute.proxy.local_errors import RELAYED, defer_expect
+from hetroute.proxy.protocols import (
+    ParsedRequest,
+    parse_chat,
+    parse_completions,
+    parse_generate,
+    with_model,
+)
 from hetroute.routing.router import Router
 from hetroute.telemetry import Telemetry
-from hetroute.types import Api
 
 OPENAI_POST_PATHS = ("/v1/chat/completions", "/v1/completions")
 TGI_POST_PATHS = ("/generate", "/generate_stream", "/")
@@ -47,6 +57,9 @@ class Gateway:
         admin_token: str | None,
         tgi_model: str | None,
         info_timeout_s: float,
+        backend_models: BackendModels,
+        learner: LiveModels | None = None,
+        body_timeout_s: float = 60.0,
     ) -> None:
         self.forwarder = forwarder
         self.router = router
@@ -57,47 +70,73 @@ class Gateway:
         self.admin_token = admin_token
         self.tgi_model = tgi_model
         self.info_timeout_s = info_timeout_s
+        self.backend_models = backend_models
+        self.learner = learner
+        self.body_timeout_s = body_timeout_s
 
     async def _body(self, request: web.Request) -> bytes:
+        """The decoded body, read within ``body_timeout_s``; ApiError 408/413/415/400 otherwise."""
         length = request.content_length
         if length is not None and length > self.max_body_bytes:
             raise ApiError(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}")
+        check_content_encoding(request)
         try:
-            return await request.read()
+            async with asyncio.timeout(self.body_timeout_s):
+                return await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             raise ApiError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes") from exc
+        except web.RequestPayloadError as exc:
+            raise body_error(exc, self.max_body_bytes) from exc
+        except TimeoutError as exc:
+            raise ApiError(
+                408, f"the request body was not received within {self.body_timeout_s:g} s"
+            ) from exc
 
     async def _handle(
-        self, request: web.Request, api: Api, parse: Callable[[bytes], ParsedRequest]
+        self, request: web.Request, parse: Callable[[bytes], ParsedRequest]
     ) -> web.StreamResponse:
+        """Errors raised here are answered and accounted by the error middleware."""
+        raw = await self._body(request)
         try:
-            parsed = parse(await self._body(request))
-            if parsed.model is not None:
-                model = parsed.model
-            elif self.tgi_model is not None:
-                model = self.tgi_model
-            else:
-                raise ApiError(404, "no backend speaks the TGI API")
-        except ApiError as err:
-            rid = request.headers.get("x-request-id") or self.forwarder.next_request_id()
-            self.telemetry.requests.labels("none", "", api, str(err.status), "").inc()
-            return error_response(api, err, request_id=rid)
+            parsed = parse(raw)
+        except RecursionError as exc:  # a structure nested too deeply for the re-encoder
+            raise ApiError(400, "request body is nested too deeply") from exc
+        if parsed.model is None and parsed.api == "openai":
+            parsed = self._only_model(parsed)
+        if parsed.model is not None:
+            model = parsed.model
+        elif self.tgi_model is not None:
+            model = self.tgi_model
+        else:
+            raise ApiError(404, "no backend speaks the TGI API")
+        request[RELAYED] = True  # from here on the forwarder logs and counts the request
         return await self.forwarder.relay(request, parsed, model)
 
+    def _only_model(self, parsed: ParsedRequest) -> ParsedRequest:
+        """An OpenAI request without ``model``: the one model served, as vLLM does when it serves one
+        (its first); with several, the client must choose (400 listing them)."""
+        served = self.router.models("openai")
+        if len(served) != 1:
+            listed = ", ".join(served)
+            raise ApiError(
+                400, f"`model` is required: this router serves several models ({listed})", param="model"
+            )
+        return with_model(parsed, served[0])
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "openai", parse_chat)
+        return await self._handle(request, parse_chat)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "openai", parse_completions)
+        return await self._handle(request, parse_completions)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "tgi", lambda raw: parse_generate(raw, stream=False))
+        return await self._handle(request, lambda raw: parse_generate(raw, stream=False))
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "tgi", lambda raw: parse_generate(raw, stream=True))
+        return await self._handle(request, lambda raw: parse_generate(raw, stream=True))
 
     async def tgi_compat(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "tgi", lambda raw: parse_generate(raw, stream=None))
+        return await self._handle(request, lambda raw: parse_generate(raw, stream=None))
 
     async def models(self, request: web.Request) -> web.Response:
         seen: dict[str, str] = {}
@@ -112,7 +151,7 @@ class Gateway:
         """TGI ``/info`` of an available TGI backend serving the TGI model."""
         session = self.forwarder.session
         if self.tgi_model is None or session is None:
-            return error_response("tgi", ApiError(404, "no backend speaks the TGI API"))
+            raise ApiError(404, "no backend speaks the TGI API")
         for i in self.router.serving(self.tgi_model, "tgi"):
             if not self.health.is_available(i):
                 continue
@@ -128,7 +167,7 @@ class Gateway:
                         )
             except (aiohttp.ClientError, TimeoutError, OSError):
                 continue
-        return error_response("tgi", ApiError(503, f"no healthy backend for model `{self.tgi_model}`"))
+        raise ApiError(503, f"no healthy backend for model `{self.tgi_model}`")
 
     async def health_check(self, request: web.Request) -> web.Response:
         available = self.health.available_count()
@@ -139,13 +178,14 @@ class Gateway:
         )
 
     async def admin_backends(self, request: web.Request) -> web.Response:
-        if self.admin_token is not None:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.admin_token}".encode()):
-                return error_response("openai", ApiError(401, "missing or wrong admin bearer token"))
+        if self.admin_token is not None and not bearer_token_matches(
+            request.headers.get("Authorization"), self.admin_token
+        ):
+            raise ApiError(401, "missing or wrong admin bearer token")
         router = self.router
         last = [self.metrics.last_seen(i) for i in range(len(router.backends))]
-        sources = describe_backend_models(router.backends, last)
+        sources = describe_models(self.backend_models, last)
+        learner = self.learner
         out = []
         for i, spec in enumerate(router.backends):
             metrics = last[i]
@@ -181,30 +221,29 @@ class Gateway:
                     "engine_metrics_error": self.metrics.errors[i],
                     "model_sources": sources[i],
                     "profile": profile,
+                    "learned_model": learner.describe(i) if learner is not None else None,
                 }
             )
         body = {"policy": router.policy.name, "in_flight": router.ledger.in_flight(), "backends": out}
         return web.Response(text=json.dumps(body, default=str), content_type="application/json")
 
     async def not_found(self, request: web.Request) -> web.Response:
-        api: Api = "tgi" if request.path in TGI_POST_PATHS or request.path == "/info" else "openai"
         known = request.path in OPENAI_POST_PATHS + TGI_POST_PATHS + GET_PATHS
         if known:
-            err = ApiError(405, f"method {request.method} is not allowed on {request.path}")
-        else:
-            err = ApiError(404, f"unsupported path {request.path}")
-        return error_response(api, err)
+            raise ApiError(405, f"method {request.method[:16]} is not allowed on {request.path}")
+        raise ApiError(404, f"unsupported path {request.path[:200]}")
 
 
 def add_routes(app: web.Application, gw: Gateway) -> None:
-    app.router.add_post("/v1/chat/completions", gw.chat)
-    app.router.add_post("/v1/completions", gw.completions)
-    app.router.add_post("/generate", gw.generate)
-    app.router.add_post("/generate_stream", gw.generate_stream)
-    app.router.add_post("/", gw.tgi_compat)
-    app.router.add_get("/v1/models", gw.models, allow_head=False)
-    app.router.add_get("/info", gw.info, allow_head=False)
-    app.router.add_get("/health", gw.health_check, allow_head=False)
-    app.router.add_get("/metrics", gw.telemetry.handle_metrics, allow_head=False)
-    app.router.add_get("/admin/backends", gw.admin_backends, allow_head=False)
-    app.router.add_route("*", "/{tail:.*}", gw.not_found)
+    expect = defer_expect
+    app.router.add_post("/v1/chat/completions", gw.chat, expect_handler=expect)
+    app.router.add_post("/v1/completions", gw.completions, expect_handler=expect)
+    app.router.add_post("/generate", gw.generate, expect_handler=expect)
+    app.router.add_post("/generate_stream", gw.generate_stream, expect_handler=expect)
+    app.router.add_post("/", gw.tgi_compat, expect_handler=expect)
+    app.router.add_get("/v1/models", gw.models, allow_head=False, expect_handler=expect)
+    app.router.add_get("/info", gw.info, allow_head=False, expect_handler=expect)
+    app.router.add_get("/health", gw.health_check, allow_head=False, expect_handler=expect)
+    app.router.add_get("/metrics", gw.telemetry.handle_metrics, allow_head=False, expect_handler=expect)
+    app.router.add_get("/admin/backends", gw.admin_backends, allow_head=False, expect_handler=expect)
+    app.router.add_route("*", "/{tail:.*}", gw.not_found, expect_handler=expect)

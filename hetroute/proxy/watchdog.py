@@ -58,6 +58,18 @@ class Watchdogs:
             self._handle.cancel()
             self._handle = None
 
+    def expire_all(self, reason: str) -> int:
+        """Cancel every open watchdog's task now, with ``reason`` (shutdown); returns how many."""
+        dogs = list(self._open)
+        for dog in dogs:
+            self._open.discard(dog)
+            dog.expired, dog.reason = True, reason
+            dog.task.cancel()
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        return len(dogs)
+
     def _fire(self) -> None:
         self._handle = None
         assert self._loop is not None
@@ -78,7 +90,7 @@ class Watchdogs:
 class Watchdog:
     """One request's deadline; see :class:`Watchdogs`."""
 
-    __slots__ = ("_owner", "_loop", "task", "limit_s", "last_s", "expired")
+    __slots__ = ("_owner", "_loop", "task", "limit_s", "last_s", "expired", "reason")
 
     def __init__(
         self, owner: Watchdogs, loop: asyncio.AbstractEventLoop, task: asyncio.Task[object], limit_s: float
@@ -89,6 +101,8 @@ class Watchdog:
         self.limit_s = limit_s
         self.last_s = loop.time()
         self.expired = False
+        self.reason: str | None = None
+        """Why it expired when not for its deadline (``Watchdogs.expire_all``)."""
 
     def rearm(self, limit_s: float) -> None:
         """From now on allow ``limit_s`` between chunks."""

@@ -45,6 +45,9 @@ class Ticket:
     first_token_at_s: float | None = None
     released: bool = False
     released_at_s: float | None = None
+    pending_tokens_ahead: float = 0.0
+    in_flight_at_first: float = 0.0
+    context_at_first: float = 0.0
 
 
 class Ledger:
@@ -93,6 +96,7 @@ class Ledger:
     ) -> Ticket:
         """Record a request sent to ``backend_index``; returns the ticket to release later."""
         i = backend_index
+        ahead = float(self.prefill_pending_tokens[i])
         self.requests_in_flight[i] += 1
         self.input_tokens_in_flight[i] += input_tokens
         self.remaining_predicted_tokens[i] += predicted_output_tokens
@@ -111,13 +115,22 @@ class Ledger:
             dispatched_at_s=now_s,
             policy=policy,
             reason=reason,
+            pending_tokens_ahead=ahead,
         )
 
     def first_token(self, ticket: Ticket, now_s: float) -> None:
-        """Mark the time of the first token (idempotent): its prompt is no longer pending prefill."""
+        """Mark the time of the first token (idempotent): its prompt is no longer pending prefill.
+
+        Also records on the ticket the backend's load at that instant (requests in flight and their
+        Σ I + generated), which the latency learner reads when the request completes.
+        """
         if ticket.first_token_at_s is None and not ticket.released:
+            i = ticket.backend_index
             ticket.first_token_at_s = now_s
-            self.prefill_pending_tokens[ticket.backend_index] -= ticket.input_tokens
+            self.prefill_pending_tokens[i] -= ticket.input_tokens
+            ticket.in_flight_at_first = float(self.requests_in_flight[i])
+            context = self.input_tokens_in_flight[i] + self.generated_tokens_in_flight[i]
+            ticket.context_at_first = float(context)
 
     def observe_generated(self, ticket: Ticket, generated_tokens: int) -> None:
         """Replace predicted tokens with observed ones: ``generated_tokens`` is cumulative.

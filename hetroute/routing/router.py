@@ -21,6 +21,8 @@ from collections.abc import Callable, Collection, Sequence
 import numpy as np
 
 from hetroute.errors import NoBackendAvailable, UnknownModel
+from hetroute.learning.live import LiveModels
+from hetroute.learning.observation import Observation
 from hetroute.routing.ledger import Ledger, Ticket
 from hetroute.types import (
     Api,
@@ -64,6 +66,7 @@ class Router:
         latest_metrics: MetricsFn | None = None,
         on_decision: DecisionObserver | None = None,
         timer: Callable[[], float] = time.perf_counter,
+        learner: LiveModels | None = None,
     ) -> None:
         if not backends:
             raise ValueError("a router needs at least one backend")
@@ -77,6 +80,7 @@ class Router:
         self._latest_metrics = latest_metrics or _no_metrics
         self._on_decision = on_decision
         self._timer = timer
+        self.learner = learner
         self._serving: dict[tuple[str, Api], tuple[int, ...]] = {}
         self._profile_caps: FloatArray = np.array(
             [
@@ -136,6 +140,7 @@ class Router:
             flags.flags.writeable = False
             self._available_key, self._available = available, flags
         requests, floats = self.ledger.snapshot_arrays()
+        learner = self.learner
         snap = ClusterSnapshot(
             now_s=self.clock.now(),
             backends=self.backends,
@@ -149,6 +154,8 @@ class Router:
             prefill_pending_tokens=floats[5],
             available=self._available,
             kv_capacity_tokens=self._caps,
+            latency_params=learner.params if learner is not None else None,
+            model_samples=learner.samples if learner is not None else None,
         )
         return snap, available
 
@@ -214,6 +221,44 @@ class Router:
         if self._on_decision is not None:
             self._on_decision(self.policy.name, ticket.backend_name, self._timer() - self._decide_started)
         return ticket
+
+    def complete(
+        self, ticket: Ticket, output_tokens: int, *, input_tokens: int | None = None, streamed: bool = True
+    ) -> None:
+        """Record a successful answer before its release: exact output count, and the latency learner.
+
+        ``streamed`` says whether the first token was seen apart from the end (a non-streaming answer
+        arrives whole, so its time to first token is unknown). ``input_tokens`` is the engine's own
+        count when it reported one. A ticket already released is ignored.
+        """
+        if ticket.released:
+            return
+        ledger = self.ledger
+        ledger.observe_generated(ticket, output_tokens)
+        learner = self.learner
+        if learner is None or output_tokens < 1:
+            return
+        now = self.clock.now()
+        i = ticket.backend_index
+        first = ticket.first_token_at_s
+        ttft = first - ticket.dispatched_at_s if streamed and first is not None else None
+        metrics = self._latest_metrics(i)
+        learner.observe(
+            Observation(
+                backend_index=i,
+                finished_at_s=now,
+                input_tokens=input_tokens if input_tokens is not None else ticket.input_tokens,
+                output_tokens=output_tokens,
+                ttft_s=ttft,
+                e2e_s=now - ticket.dispatched_at_s,
+                pending_tokens_ahead=ticket.pending_tokens_ahead,
+                in_flight_at_first=ticket.in_flight_at_first,
+                context_at_first=ticket.context_at_first,
+                in_flight_at_end=float(ledger.requests_in_flight[i]),
+                context_at_end=float(ledger.input_tokens_in_flight[i] + ledger.generated_tokens_in_flight[i]),
+                engine_running=metrics.num_requests_running if metrics is not None else None,
+            )
+        )
 
     def release(self, ticket: Ticket) -> bool:
         """Release a ticket's accounting; effective exactly once."""

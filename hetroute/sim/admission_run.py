@@ -30,9 +30,10 @@ from hetroute.admission.config import AdmissionConfig
 from hetroute.admission.full import Placer
 from hetroute.admission.queue import AdmissionQueue, Shed
 from hetroute.clock import ManualClock
+from hetroute.learning.live import LiveModels
 from hetroute.routing.router import Router
 from hetroute.sim.cluster_file import Fleet
-from hetroute.sim.simulator import _WAKE, _Run
+from hetroute.sim.simulator import _WAKE, Slowdown, _Run
 from hetroute.sim.workload import SimRequest
 from hetroute.types import OutputLengthPredictor
 
@@ -55,8 +56,12 @@ class SimAdmission:
         predictor: OutputLengthPredictor,
         clock: ManualClock,
         scrape_interval_s: float,
+        learner: LiveModels | None = None,
+        slowdowns: Sequence[Slowdown] = (),
     ) -> _Run:
-        return AdmittedRun(fleet, workload, router, predictor, clock, scrape_interval_s, self)
+        return AdmittedRun(
+            fleet, workload, router, predictor, clock, scrape_interval_s, self, learner, slowdowns
+        )
 
 
 class AdmittedRun(_Run):
@@ -71,8 +76,10 @@ class AdmittedRun(_Run):
         clock: ManualClock,
         scrape_interval_s: float,
         admission: SimAdmission,
+        learner: LiveModels | None = None,
+        slowdowns: Sequence[Slowdown] = (),
     ) -> None:
-        super().__init__(fleet, workload, router, predictor, clock, scrape_interval_s)
+        super().__init__(fleet, workload, router, predictor, clock, scrape_interval_s, learner, slowdowns)
         cfg = admission.config
         self.queue: AdmissionQueue[int] = AdmissionQueue(cfg)
         self.placer = Placer(router, cfg.full)

@@ -267,10 +267,35 @@ def lookup_gpu(catalog: Mapping[str, GpuSpec], name: str) -> GpuSpec:
     raise UnknownCatalogEntry("GPU", name, sorted(catalog))
 
 
+_ALIAS_SUFFIXES = ("-instruct", "-chat", "-hf", "-base")
+
+
+def model_alias_key(name: str) -> str:
+    """The name a served model is matched by: lower case, without the organisation prefix
+    (``meta-llama/``), a local path's directories, a leading ``meta-``, and trailing ``-Instruct``,
+    ``-chat``, ``-hf`` or ``-base`` (repeatedly, so ``Llama-2-7b-chat-hf`` becomes ``llama-2-7b``).
+    """
+    key = name.strip().lower().rstrip("/").rsplit("/", 1)[-1]
+    key = key.removeprefix("meta-")
+    changed = True
+    while changed:
+        changed = False
+        for suffix in _ALIAS_SUFFIXES:
+            if key.endswith(suffix) and len(key) > len(suffix):
+                key, changed = key[: -len(suffix)], True
+    return key
+
+
 def lookup_model(catalog: Mapping[str, ModelSpec], name: str) -> ModelSpec:
-    """The model called ``name`` or whose ``hf_id`` is ``name`` (case-insensitive)."""
+    """The model called ``name`` or whose ``hf_id`` is ``name`` (case-insensitive), else the one
+    whose name or ``hf_id`` has the same alias key (:func:`model_alias_key`): the usual served-model
+    names of a catalog model (``meta-llama/Meta-Llama-3-8B``, ``llama-3-8b-instruct``) all match it."""
     for key, spec in catalog.items():
         if name.lower() in (key.lower(), (spec.hf_id or "").lower()):
+            return spec
+    wanted = model_alias_key(name)
+    for key, spec in catalog.items():
+        if wanted in (model_alias_key(key), model_alias_key(spec.hf_id or key)):
             return spec
     raise UnknownCatalogEntry("model", name, sorted(catalog))
 

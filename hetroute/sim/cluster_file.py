@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -335,3 +335,14 @@ def build_fleet(
         flavours=tuple(inst.engine for inst in cluster.instances),
         models=cluster.models(),
     )
+
+
+def blind_fleet(fleet: Fleet) -> Fleet:
+    """``fleet`` as a router knows it in front of engines serving a house model name with no profile:
+    no GPU/TP labels, no profile, no ``max_num_seqs`` (its policies fall back to the neutral default;
+    KV capacity stays, since engines report it in their metrics). The engines themselves are unchanged."""
+    blind = tuple(
+        replace(b, gpu=None, tp=None, labels={}, profile=None, profile_path=None, max_num_seqs=None)
+        for b in fleet.backends
+    )
+    return replace(fleet, backends=blind)

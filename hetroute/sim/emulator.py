@@ -72,6 +72,9 @@ class FaultConfig:
       stream stalls after ``hang_after_tokens`` tokens (a non-stream request then never completes).
     - ``slow_start_s``: every endpoint answers 503 until that many seconds (injected clock) after start.
     - ``fail_mid_stream_after_tokens``: every request's connection is dropped after k tokens.
+    - ``slowdown_factor`` / ``slowdown_after_s``: from that many seconds (injected clock) after start,
+      every engine step takes ``slowdown_factor`` times its modelled time (another tenant on the GPU,
+      thermal throttling); the simulator's ``Slowdown`` is the same fault.
     """
 
     error_rate: float = 0.0
@@ -80,8 +83,18 @@ class FaultConfig:
     hang_after_tokens: int | None = None
     slow_start_s: float = 0.0
     fail_mid_stream_after_tokens: int | None = None
+    slowdown_factor: float = 1.0
+    slowdown_after_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (self.slowdown_factor > 0 and math.isfinite(self.slowdown_factor)):
+            raise ConfigError(
+                "faults.slowdown_factor", f"expected a finite number > 0, got {self.slowdown_factor!r}"
+            )
+        if self.slowdown_after_s < 0 or not math.isfinite(self.slowdown_after_s):
+            raise ConfigError(
+                "faults.slowdown_after_s", f"expected a finite number >= 0, got {self.slowdown_after_s!r}"
+            )
         for name in ("error_rate", "hang_rate"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -158,6 +171,12 @@ class Emulator:
                 for _ in range(IDLE_GATHER_YIELDS):
                     await asyncio.sleep(0)
                 continue
+            slow = self.faults.slowdown_factor
+            if (
+                slow != engine.slowdown_factor
+                and clock.now() - self.started_s >= self.faults.slowdown_after_s
+            ):
+                engine.set_slowdown(slow)
             outcome = engine.step(clock.now())
             if outcome.scheduled_tokens == 0:
                 if outcome.preempted:  # preemption freed blocks: plan again at once
@@ -304,7 +323,13 @@ class Emulator:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
-            models_body(self.kind, self.served_model, self.created_unix, self.engine.max_model_len)
+            models_body(
+                self.kind,
+                self.served_model,
+                self.created_unix,
+                self.engine.max_model_len,
+                self.engine.config.model.hf_id or self.engine.config.model.name,
+            )
         )
 
     async def info(self, request: web.Request) -> web.Response:

@@ -50,13 +50,17 @@ def tokenize_body(kind: EngineKind, body: Mapping[str, Any], max_model_len: int)
     return {"count": count, "max_model_len": max_model_len, "tokens": pseudo_token_ids(text, count)}
 
 
-def models_body(kind: EngineKind, served_model: str, created_unix: int, max_model_len: int) -> dict[str, Any]:
+def models_body(
+    kind: EngineKind, served_model: str, created_unix: int, max_model_len: int, root: str | None = None
+) -> dict[str, Any]:
+    """vLLM's ``/v1/models``: ``root`` is the weights the engine loaded (its ``--model``), which differs
+    from ``id`` when ``--served-model-name`` gave the model another name."""
     card = {
         "id": served_model,
         "object": "model",
         "created": created_unix,
         "owned_by": kind,
-        "root": served_model,
+        "root": root or served_model,
         "parent": None,
         "max_model_len": max_model_len,
     }

@@ -223,6 +223,13 @@ class EngineModel:
         self._finished_total = 0
         self._aborted_total = 0
         self._steps = 0
+        self.slowdown_factor = 1.0
+
+    def set_slowdown(self, factor: float) -> None:
+        """A fault: every later step takes ``factor`` times its modelled time (1 restores it)."""
+        if not factor > 0:
+            raise ValueError(f"slow-down factor must be > 0, got {factor}")
+        self.slowdown_factor = float(factor)
 
     # ------------------------------------------------------------ requests
 
@@ -431,7 +438,7 @@ class EngineModel:
                 self._release(req)
             self._finished_total += len(finished)
             self._running = [r for r in self._running if r.started]
-        duration = self.cost.step_s(prefill_tokens, prefill_attn, decode_seqs, kv_read)
+        duration = self.cost.step_s(prefill_tokens, prefill_attn, decode_seqs, kv_read) * self.slowdown_factor
         return StepOutcome(
             duration, tuple(emitted), tuple(finished), tuple(preempted), prefill_tokens + decode_seqs
         )

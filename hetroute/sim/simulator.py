@@ -44,7 +44,11 @@ import predictors
 from hetroute.clock import ManualClock
 from hetroute.config import ScrapeConfig
 from hetroute.errors import ConfigError
+from hetroute.learning.build import build_live_models
+from hetroute.learning.live import LiveModels
+from hetroute.learning.settings import LearningConfig
 from hetroute.policies import PolicyContext, build_policy
+from hetroute.policies.backend_model import BackendModels
 from hetroute.routing.ledger import Ledger, Ticket
 from hetroute.routing.router import Router
 from hetroute.sim.cluster_file import ClusterSpec, Fleet, build_fleet
@@ -55,7 +59,7 @@ from hetroute.types import EngineMetrics, FloatArray, IntArray, OutputLengthPred
 if TYPE_CHECKING:
     from hetroute.sim.admission_run import SimAdmission
 
-_STEP_END, _SCRAPE, _ARRIVAL, _WAKE = 0, 1, 2, 3  # also the priority at equal times
+_STEP_END, _SCRAPE, _ARRIVAL, _REFIT = 0, 1, 2, 3  # also the priority at equal times
 
 GATEWAY_SCRAPE_INTERVAL_S = ScrapeConfig().interval_s
 """The gateway's default ``scrape.interval_s``: by default the simulated router sees metrics as stale as
@@ -99,6 +103,8 @@ class SimResult:
     wall_s: float
     ledger_zero: bool
     extra: Mapping[str, float] = field(default_factory=dict)
+    learned: LiveModels | None = None
+    """The live models at the end of the run (``learning`` on), for inspection."""
     queue_wait_s: FloatArray | None = None
     """Per request: seconds in the admission queue until dispatch or shed (None without a queue)."""
 
@@ -141,6 +147,21 @@ def _metrics_of(engine: EngineModel, flavour: str, now_s: float) -> EngineMetric
     )
 
 
+_SLOWDOWN = 4
+_WAKE = 5  # an admission queue's timer (admission_run.py)
+
+
+@dataclass(frozen=True, slots=True)
+class Slowdown:
+    """A fault: from ``after_s`` (modelled seconds, the workload's clock) backend ``backend_index``
+    runs every step ``factor`` times slower (another tenant on the GPU, throttling, a reconfigured
+    engine). The emulator's ``--slowdown FACTOR --slowdown-after-s T`` is the same fault."""
+
+    backend_index: int
+    factor: float
+    after_s: float
+
+
 class _Run:
     """The mutable state of one simulation; built and consumed by :func:`run_simulation`."""
 
@@ -152,8 +173,12 @@ class _Run:
         predictor: OutputLengthPredictor,
         clock: ManualClock,
         scrape_interval_s: float,
+        learner: LiveModels | None = None,
+        slowdowns: Sequence[Slowdown] = (),
     ) -> None:
         self.fleet = fleet
+        self.learner = learner
+        self.slowdowns = tuple(slowdowns)
         self.engines = [EngineModel(cfg) for cfg in fleet.configs]
         self.workload = workload
         self.router = router
@@ -271,6 +296,8 @@ class _Run:
             k = index_of[rid]
             ticket = self.tickets[k]
             assert ticket is not None
+            if self.learner is not None:
+                self.router.complete(ticket, self.generated[k], streamed=True)
             self.router.release(ticket)
             self.dirty.discard(k)
             req = self.workload[k]
@@ -287,6 +314,23 @@ class _Run:
             self.cached[i] = _metrics_of(engine, self.fleet.flavours[i], now_s)
         if self.arrivals_left > 0 or any(p is not None for p in self.pending):
             return [(now_s + self.scrape_interval_s, _SCRAPE, 0)]
+        return []
+
+    def on_slowdown(self, e: int) -> list[tuple[float, int, int]]:
+        """A fault: engine ``e`` runs every later step ``factor`` times slower (``Slowdown``)."""
+        for slow in self.slowdowns:
+            if slow.backend_index == e:
+                self.engines[e].set_slowdown(slow.factor)
+        return []
+
+    def on_refit(self, now_s: float) -> list[tuple[float, int, int]]:
+        """The gateway's learning loop: refit every ``refit_interval_s`` while work remains."""
+        learner = self.learner
+        assert learner is not None
+        learner.set_capacities(self.router.snapshot().kv_capacity_tokens)
+        learner.refit(now_s)
+        if self.arrivals_left > 0 or any(p is not None for p in self.pending):
+            return [(now_s + learner.config.refit_interval_s, _REFIT, 0)]
         return []
 
     def admission_result(self) -> dict[str, Any]:
@@ -315,6 +359,13 @@ class _Run:
         if self.scrape_interval_s > 0 and self.workload:
             heapq.heappush(heap, (self.workload[0].arrival_s, _SCRAPE, seq, 0))
             seq += 1
+        if self.learner is not None and self.workload:
+            first = self.workload[0].arrival_s + self.learner.config.refit_interval_s
+            heapq.heappush(heap, (first, _REFIT, seq, 0))
+            seq += 1
+        for slow in self.slowdowns:
+            heapq.heappush(heap, (slow.after_s, _SLOWDOWN, seq, slow.backend_index))
+            seq += 1
         clock = self.clock
         events = 0
         while heap:
@@ -325,10 +376,14 @@ class _Run:
                 new = self.on_step_end(index, now_s)
             elif kind == _ARRIVAL:
                 new = self.on_arrival(index, now_s)
+            elif kind == _SCRAPE:
+                new = self.on_scrape(now_s)
+            elif kind == _REFIT:
+                new = self.on_refit(now_s)
             elif kind == _WAKE:
                 new = self.on_wake(now_s)
             else:
-                new = self.on_scrape(now_s)
+                new = self.on_slowdown(index)
             for t, kd, idx in new:
                 heapq.heappush(heap, (t, kd, seq, idx))
                 seq += 1
@@ -346,12 +401,16 @@ def run_simulation(
     seed: int = 0,
     scrape_interval_s: float = GATEWAY_SCRAPE_INTERVAL_S,
     label: str | None = None,
+    learning: LearningConfig | None = None,
+    slowdowns: Sequence[Slowdown] = (),
     admission: SimAdmission | None = None,
 ) -> SimResult:
     """Simulate ``workload`` (sorted by arrival) on ``cluster`` routed by ``policy_name``.
 
     ``cluster`` may be a :class:`ClusterSpec` (catalogs are loaded) or a prepared :class:`Fleet`
-    (``build_fleet``; reuse it across runs to skip catalog and profile loading). ``policy_name`` is a
+    (``build_fleet``; reuse it across runs to skip catalog and profile loading). ``learning`` turns on the
+    gateway's live latency learning (same code; the refit runs every ``refit_interval_s`` of modelled
+    time) and ``slowdowns`` injects slow-down faults. ``policy_name`` is a
     registry name (built with ``policy_params`` by ``build_policy``) or a ready :class:`Policy`
     object (``policy_params`` ignored; it must be fresh, policies keep private state). The policy and
     predictor get ``seed``. ``label`` names the run in the result (default: the policy's name).
@@ -369,20 +428,31 @@ def run_simulation(
     if any(b.arrival_s < a.arrival_s for a, b in zip(workload, workload[1:], strict=False)):
         raise ConfigError("workload", "requests must be sorted by arrival_s")
     clock = ManualClock(workload[0].arrival_s if workload else 0.0)
+    models = BackendModels.from_specs(fleet.backends)
     if isinstance(policy_name, str):
-        policy = build_policy(policy_name, dict(policy_params or {}), PolicyContext(fleet.backends, seed))
+        ctx = PolicyContext(fleet.backends, seed, models)
+        policy = build_policy(policy_name, dict(policy_params or {}), ctx)
     else:
         policy = policy_name
+    learner = build_live_models(models, learning) if learning is not None and learning.enabled else None
+    for slow in slowdowns:
+        if not 0 <= slow.backend_index < len(fleet.backends) or not slow.factor > 0:
+            raise ConfigError("slowdowns", f"bad slow-down {slow}")
     pred = predictors.build_predictor(predictor, dict(predictor_params or {}), seed)
     ledger = Ledger([b.name for b in fleet.backends])
     holder: list[_Run] = []
     router = Router(
-        fleet.backends, policy, ledger, clock, latest_metrics=lambda i: holder[0].latest_metrics(i)
+        fleet.backends,
+        policy,
+        ledger,
+        clock,
+        latest_metrics=lambda i: holder[0].latest_metrics(i),
+        learner=learner,
     )
     if admission is None:
-        run = _Run(fleet, workload, router, pred, clock, scrape_interval_s)
+        run = _Run(fleet, workload, router, pred, clock, scrape_interval_s, learner, slowdowns)
     else:
-        run = admission.make_run(fleet, workload, router, pred, clock, scrape_interval_s)
+        run = admission.make_run(fleet, workload, router, pred, clock, scrape_interval_s, learner, slowdowns)
     holder.append(run)
     started = time.perf_counter()
     events = run.run()
@@ -435,5 +505,6 @@ def _result(run: _Run, label: str, predictor: str, events: int, wall_s: float) -
         events=events,
         wall_s=wall_s,
         ledger_zero=run.router.ledger.is_zero(),
+        learned=run.learner,
         **run.admission_result(),
     )

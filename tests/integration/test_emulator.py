@@ -18,6 +18,7 @@ import pytest
 from text_generation import AsyncClient
 
 from hetroute.clock import ManualClock
+from hetroute.errors import ConfigError
 from hetroute.sim.catalog import load_gpu_catalog, load_model_catalog
 from hetroute.sim.emulator import Emulator, FaultConfig, build_emulator_app, emulator_of, run_emulator
 from hetroute.sim.engine_model import EngineConfig, EngineModel
@@ -378,3 +379,19 @@ async def test_emulate_command_rejects_unknown_gpu() -> None:
     _, err = await asyncio.wait_for(proc.communicate(), timeout=15)
     assert proc.returncode == 2
     assert b"unknown GPU 'B200'; valid names:" in err and b"V100-SXM2-32GB" in err
+
+
+async def test_slowdown_fault_starts_after_its_delay() -> None:
+    clock = ManualClock()
+    faults = FaultConfig(slowdown_factor=2.0, slowdown_after_s=30.0)
+    async with serve(make_engine(), faults=faults, clock=clock) as (url, emu, session):
+        body = {"model": "llama", "prompt": "hello", "max_tokens": 4}
+        async with session.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+        assert emu.engine.slowdown_factor == 1.0  # before its delay: full speed
+        clock.advance(31.0)
+        async with session.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+        assert emu.engine.slowdown_factor == 2.0
+    with pytest.raises(ConfigError):
+        FaultConfig(slowdown_factor=0.0)

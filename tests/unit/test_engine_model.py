@@ -233,3 +233,15 @@ def test_tgi_prefill_steps_do_not_decode() -> None:
     assert engine.stats().batch_reserved_tokens == 220
     decode = engine.step(0.0)
     assert sorted(e.request_id for e in decode.emitted) == ["a", "b"]
+
+
+def test_a_slowdown_multiplies_every_later_step_and_nothing_else() -> None:
+    normal, slowed = EngineModel(config()), EngineModel(config())
+    for engine in (normal, slowed):
+        submit_random(engine, 20, seed=4)
+    slowed.set_slowdown(2.5)
+    a, b = drive(normal), drive(slowed)
+    assert a.tokens == b.tokens and a.first_order == b.first_order  # the same schedule...
+    assert b.end_s == pytest.approx(2.5 * a.end_s)  # ... at 2.5x the time
+    with pytest.raises(ValueError):
+        slowed.set_slowdown(0.0)

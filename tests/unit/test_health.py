@@ -1,4 +1,4 @@
-"""The health state machine: Envoy-style ejection with back-off, max %, probe un-ejection."""
+"""The health state machine: Envoy-style ejection with back-off, max %, no early un-ejection."""
 
 from __future__ import annotations
 
@@ -80,11 +80,19 @@ def test_zero_percent_never_ejects() -> None:
     assert ejected == [] and t.is_available(0)
 
 
-def test_successful_probe_uneject() -> None:
-    t, _, _ = _tracker()
+def test_successful_probe_does_not_end_an_ejection_early() -> None:
+    # A backend that fails every request but passes /health stays out for its ejection time.
+    t, clock, _ = _tracker()
     _fail(t, 0, 3)
     assert not t.is_available(0)
     t.record_probe(0, ok=True)
+    assert not t.is_available(0)
+    until = t.states[0].ejected_until_s
+    assert until is not None
+    clock.advance(until - clock.now() - 0.001)
+    t.record_probe(0, ok=True)
+    assert not t.is_available(0)
+    clock.advance(0.002)
     assert t.is_available(0) and t.states[0].consecutive_failures == 0
 
 

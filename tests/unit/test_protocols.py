@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hetroute.proxy.api_errors import ApiError, error_body
-from hetroute.proxy.protocols import TokenEstimator, parse_chat, parse_completions, parse_generate
+from hetroute.proxy.protocols import TokenEstimator, parse_chat, parse_completions, parse_generate, with_model
 
 
 def _raw(obj: object) -> bytes:
@@ -53,12 +53,24 @@ def test_completions_token_id_prompts_are_counted_exactly() -> None:
     assert parse_completions(_raw({"model": "m", "prompt": ["ab", "cde"]})).prompt_chars == 5
 
 
+def test_openai_request_without_model_parses_and_takes_a_model_later() -> None:
+    for body in (
+        {"messages": [{"role": "user", "content": "x"}]},
+        {"model": "", "messages": [{"role": "u"}]},
+    ):
+        req = parse_chat(_raw(body))
+        assert req.model is None
+        named = with_model(req, "served")
+        assert named.model == "served"
+        assert json.loads(named.body)["model"] == "served"
+        assert json.loads(named.body)["messages"] == body["messages"]
+
+
 @pytest.mark.parametrize(
     ("parse", "body", "param"),
     [
         (parse_chat, b"{not json", None),
         (parse_chat, b"[1, 2]", None),
-        (parse_chat, _raw({"messages": [{"role": "user", "content": "x"}]}), "model"),
         (parse_chat, _raw({"model": 5, "messages": []}), "model"),
         (parse_chat, _raw({"model": "m", "messages": "hi"}), "messages"),
         (parse_chat, _raw({"model": "m", "messages": [{"content": "x"}]}), "messages[0].role"),

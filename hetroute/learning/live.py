@@ -1,0 +1,265 @@
+"""The live latency models: per-backend observation windows and the learned p1..p8 they publish.
+
+Owns, per backend, the last ``window`` successful requests (:class:`Observation`), the fit over them
+(``fit.fit_backend``), the out-of-sample e2e error, drift detection and the exploration count.
+
+Contract with the hot path. :meth:`LiveModels.observe` is O(1) apart from one scalar prediction, and
+is the only thing a request does here. :meth:`LiveModels.refit` runs off the request path (a periodic
+task in the gateway, the scrape tick in the simulator) and publishes new read-only arrays by replacing
+them whole, so a snapshot that holds the old arrays never sees a half update. Policies read
+``params`` (n×8, p1..p8) and ``samples`` through the cluster snapshot.
+
+Drift. Each observation's time per output token (its e2e when the first token was not seen) is
+compared with what the published model predicted for it (before it was fitted on). When the median
+log-ratio of the last ``DRIFT_WINDOW`` observations exceeds ``log(drift_ratio)`` in either direction,
+the backend has drifted: the regime starts at the oldest of those observations, older rows keep
+``stale_weight`` of their weight, the exploration count restarts and the backend is refitted at the
+next refit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hetroute.latency import PARAM_NAMES
+from hetroute.learning.fit import FitResult, FitSettings, fit_backend, predict_e2e_s, predict_tpot_s
+from hetroute.learning.observation import Observation
+from hetroute.learning.settings import LearningConfig
+from hetroute.types import FloatArray
+
+log = logging.getLogger(__name__)
+
+DRIFT_WINDOW = 16
+"""Observations whose median residual decides a drift."""
+ERROR_WINDOW = 256
+"""Recent out-of-sample e2e errors kept per backend (``recent_e2e_errors``)."""
+_ERROR_EWMA = 0.05
+_LIVE_REL_STDERR = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class PriorModel:
+    """Where a backend's model starts: p1..p8, a description, and its kind.
+
+    ``kind`` is ``profile`` (a measured profile file), ``saved`` (a live fit saved by an earlier run),
+    ``roofline`` (the catalog's roofline prior) or ``neutral`` (nothing known).
+    """
+
+    params: tuple[float, ...]
+    source: str
+    kind: str
+
+
+@dataclass(slots=True)
+class _Backend:
+    prior: PriorModel
+    observations: deque[Observation]
+    residuals: deque[tuple[float, float]]
+    errors: deque[float]
+    regime_start_s: float = -math.inf
+    since_regime: int = 0
+    dirty: bool = False
+    fit: FitResult | None = None
+    error_ewma: float = math.nan
+    drifts: int = 0
+    observed_total: int = 0
+    drift_times_s: list[float] = field(default_factory=list)
+    drift_pending: bool = False
+
+
+class LiveModels:
+    """Learned latency models of every backend (index = backend index)."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        priors: Sequence[PriorModel],
+        capacities_tokens: Sequence[float],
+        max_num_seqs: Sequence[float],
+        config: LearningConfig,
+    ) -> None:
+        if not len(names) == len(priors) == len(capacities_tokens) == len(max_num_seqs):
+            raise ValueError("one prior, capacity and max_num_seqs per backend")
+        self.names = tuple(names)
+        self.config = config
+        self.fit_settings = FitSettings(half_life_s=config.half_life_s, prior_strength=config.prior_strength)
+        self._b = [
+            _Backend(p, deque(maxlen=config.window), deque(maxlen=DRIFT_WINDOW), deque(maxlen=ERROR_WINDOW))
+            for p in priors
+        ]
+        self._fallback_caps = np.array(capacities_tokens, dtype=np.float64)
+        self._caps = self._fallback_caps.copy()
+        self._max_seqs = np.array(max_num_seqs, dtype=np.float64)
+        params = np.array([p.params for p in priors], dtype=np.float64).reshape(len(priors), 8)
+        params.flags.writeable = False
+        self.params: FloatArray = params
+        self.samples: FloatArray = self._samples()
+
+    # ------------------------------------------------------------ the request path
+
+    def observe(self, obs: Observation) -> None:
+        """Record one successful request (its out-of-sample error first, then the drift check)."""
+        b = self._b[obs.backend_index]
+        i = obs.backend_index
+        cap, seqs = float(self._caps[i]), float(self._max_seqs[i])
+        predicted = predict_e2e_s(self.params[i], obs, cap, seqs)
+        if obs.e2e_s > 0 and predicted > 0:
+            err = abs(predicted / obs.e2e_s - 1.0)
+            b.errors.append(err)
+            b.error_ewma = (
+                err if math.isnan(b.error_ewma) else b.error_ewma + _ERROR_EWMA * (err - b.error_ewma)
+            )
+            # Drift is judged on the decode speed when it was seen (queueing does not blur it), else e2e,
+            # and only against a model fitted on enough requests (not the prior while it is learned).
+            decode_s = obs.decode_s
+            judged = b.fit is not None and b.fit.samples >= 2 * DRIFT_WINDOW
+            tpot = predict_tpot_s(self.params[i], obs, cap, seqs)
+            if not judged:
+                pass
+            elif decode_s is not None and obs.output_tokens >= 2 and decode_s > 0 and tpot > 0:
+                b.residuals.append((obs.finished_at_s, math.log(decode_s / (obs.output_tokens - 1) / tpot)))
+            else:
+                b.residuals.append((obs.finished_at_s, math.log(obs.e2e_s / predicted)))
+        b.observations.append(obs)
+        b.observed_total += 1
+        b.since_regime += 1
+        b.dirty = True
+        if (
+            b.fit is not None
+            and not b.drift_pending
+            and b.fit.samples >= DRIFT_WINDOW
+            and len(b.residuals) == DRIFT_WINDOW
+        ):
+            shift = float(np.median(np.array([r for _, r in b.residuals])))
+            limit = math.log(self.config.drift_ratio)
+            if abs(shift) > limit:
+                # The new regime starts at the first of the recent requests already on the drift's side.
+                b.regime_start_s = next(
+                    t for t, r in b.residuals if r * math.copysign(1.0, shift) > 0.5 * limit
+                )
+                b.since_regime = DRIFT_WINDOW
+                b.residuals.clear()
+                b.drift_pending = True  # judged again only against a model refitted on the new regime
+                b.drifts += 1
+                b.drift_times_s.append(obs.finished_at_s)
+                log.warning(
+                    "backend %s drifted: requests take %.2fx the model's prediction; re-learning",
+                    self.names[i],
+                    math.exp(shift),
+                )
+
+    # ------------------------------------------------------------ off the request path
+
+    def set_capacities(self, capacities_tokens: FloatArray) -> None:
+        """The KV capacities to use (NaN: keep the fallback), e.g. from the latest snapshot."""
+        caps = np.where(np.isfinite(capacities_tokens), capacities_tokens, self._fallback_caps)
+        self._caps = np.asarray(caps, dtype=np.float64)
+
+    def refit(self, now_s: float) -> int:
+        """Refit every backend with new observations; publish new arrays. Returns how many changed."""
+        changed = 0
+        params = self.params.copy()
+        for i, b in enumerate(self._b):
+            if not b.dirty:
+                continue
+            b.dirty = False
+            b.fit = fit_backend(
+                list(b.observations),
+                b.prior.params,
+                now_s=now_s,
+                capacity_tokens=float(self._caps[i]),
+                max_num_seqs=float(self._max_seqs[i]),
+                settings=self.fit_settings,
+                regime_start_s=b.regime_start_s,
+            )
+            params[i] = b.fit.params
+            if b.drift_pending:
+                b.drift_pending = False
+                b.residuals.clear()
+            changed += 1
+        if changed:
+            params.flags.writeable = False
+            self.params = params
+        self.samples = self._samples()
+        return changed
+
+    def _samples(self) -> FloatArray:
+        out: FloatArray = np.array([float(b.since_regime) for b in self._b], dtype=np.float64)
+        out.flags.writeable = False
+        return out
+
+    # ------------------------------------------------------------ reading
+
+    def fit_of(self, i: int) -> FitResult | None:
+        """The latest fit of backend ``i`` (None before its first refit with data)."""
+        return self._b[i].fit
+
+    def prior_of(self, i: int) -> PriorModel:
+        return self._b[i].prior
+
+    def e2e_error(self, i: int) -> float:
+        """EWMA of |predicted / observed e2e − 1| over requests the model had not yet seen (NaN: none)."""
+        return self._b[i].error_ewma
+
+    def drifts(self, i: int) -> int:
+        """Drifts detected on backend ``i`` since start."""
+        return self._b[i].drifts
+
+    def drift_times_s(self, i: int) -> tuple[float, ...]:
+        """When each drift of backend ``i`` was detected (clock seconds)."""
+        return tuple(self._b[i].drift_times_s)
+
+    def recent_e2e_errors(self, i: int) -> tuple[float, ...]:
+        """|predicted / observed e2e − 1| of backend ``i``'s last requests, each predicted before the
+        model was fitted on it (oldest first, at most ``ERROR_WINDOW``)."""
+        return tuple(self._b[i].errors)
+
+    def observed_total(self, i: int) -> int:
+        return self._b[i].observed_total
+
+    def describe(self, i: int) -> dict[str, object]:
+        """The learned model of backend ``i`` as plain data (``/admin/backends``)."""
+        b = self._b[i]
+        fit = b.fit
+        params = [float(v) for v in self.params[i]]
+        stderr = list(fit.stderr) if fit is not None else [math.nan] * 8
+        kind = b.prior.kind
+        out_params: dict[str, dict[str, object]] = {}
+        for k, name in enumerate(PARAM_NAMES):
+            live = (
+                fit is not None
+                and fit.samples >= DRIFT_WINDOW
+                and math.isfinite(stderr[k])
+                and stderr[k] <= _LIVE_REL_STDERR * max(abs(params[k]), 1e-12)
+            )
+            out_params[name] = {
+                "value": params[k],
+                "stderr": _finite(stderr[k]),
+                "prior": b.prior.params[k],
+                "source": "live" if live else kind,
+            }
+        return {
+            "prior": {"source": b.prior.source, "kind": kind},
+            "samples": len(b.observations),
+            "observed_total": b.observed_total,
+            "effective_samples": _finite(fit.effective_samples) if fit is not None else 0.0,
+            "since_drift": b.since_regime,
+            "drifts": b.drifts,
+            "e2e_error": _finite(b.error_ewma),
+            "fit_mape": {
+                "ttft": _finite(fit.ttft_mape) if fit is not None else None,
+                "tpot": _finite(fit.tpot_mape) if fit is not None else None,
+                "e2e": _finite(fit.e2e_mape) if fit is not None else None,
+            },
+            "params": out_params,
+        }
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None

@@ -1,0 +1,83 @@
+"""`hetroute serve` shutdown with streams longer than the grace period (issue 12, item 9),
+and ``--admin-token-file`` (item 5), on the real process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+from tests.conftest import MODEL, EmulateFn
+from tests.integration.test_gateway_serve import _free_port, _wait_healthy
+
+GRACE_S = 1.0
+
+
+async def _stream(s: aiohttp.ClientSession, url: str, path: str, body: dict[str, object]) -> bytes:
+    async with s.post(url + path, json=body) as r:
+        assert r.status == 200
+        return await r.read()
+
+
+async def test_streams_outliving_the_grace_get_an_error_event_and_exit_is_bounded(
+    emulate: EmulateFn, tmp_path: Path
+) -> None:
+    vllm, tgi = await emulate("vllm", speedup=2.0), await emulate("tgi", speedup=2.0)
+    port = _free_port()
+    token_file = tmp_path / "admin.token"
+    token_file.write_text("s3cret\n")
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text(
+        json.dumps(
+            {
+                "backends": [
+                    {"name": "v", "url": vllm.url, "engine": "vllm", "models": [MODEL]},
+                    {"name": "t", "url": tgi.url, "engine": "tgi", "models": [MODEL]},
+                ],
+                "policy": "round_robin",
+                "server": {"host": "127.0.0.1", "port": port, "shutdown_grace_s": GRACE_S},
+            }
+        )
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hetroute", "serve", "--config", str(cfg),
+        "--admin-token-file", str(token_file),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await _wait_healthy(url, proc)
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/admin/backends") as r:
+                assert r.status == 401
+            async with s.get(url + "/admin/backends", headers={"Authorization": "bearer s3cret"}) as r:
+                assert r.status == 200
+            long = {"model": MODEL, "prompt": "hi", "max_tokens": 2000, "stream": True}
+            openai = asyncio.ensure_future(_stream(s, url, "/v1/completions", long))
+            tgi_body = {"inputs": "hi", "parameters": {"max_new_tokens": 2000}}
+            tgi_stream = asyncio.ensure_future(_stream(s, url, "/generate_stream", tgi_body))
+            await asyncio.sleep(0.5)  # both streams are running
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            openai_out, tgi_out = await asyncio.wait_for(asyncio.gather(openai, tgi_stream), GRACE_S + 3.0)
+            rc = await asyncio.wait_for(proc.wait(), timeout=GRACE_S + 3.0)
+            elapsed = time.monotonic() - t0
+        assert rc == 0
+        assert elapsed < GRACE_S + 1.0, elapsed
+        last = openai_out.rstrip(b"\n").split(b"\n\n")
+        assert last[-1] == b"data: [DONE]"
+        err = json.loads(last[-2].removeprefix(b"data: "))["error"]
+        assert err["message"] == "the gateway is shutting down" and err["code"] == 503
+        tgi_last = json.loads(tgi_out.rstrip(b"\n").split(b"\n\n")[-1].removeprefix(b"data:"))
+        assert tgi_last["error"] == "the gateway is shutting down"
+        out = (await proc.stdout.read()).decode() if proc.stdout else ""
+        assert out.count('"status":503') == 2  # their access-log lines
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -1,0 +1,236 @@
+"""The live latency learner: the fit (recovery, robustness, prior anchor, decay), drift, persistence."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hetroute.latency import load_profile
+from hetroute.learning.fit import FitSettings, fit_backend, predict_e2e_s, predict_tpot_s
+from hetroute.learning.live import LiveModels, PriorModel
+from hetroute.learning.observation import Observation
+from hetroute.learning.settings import LearningConfig
+from hetroute.learning.state import live_profile, load_saved, save_all, state_file
+from hetroute.types import BackendSpec
+
+# A "true" backend: prefill 0.1 ms per token in the batch + 20 ms; decode 25 ms + 0.5 ms per sequence
+# + 2e-8 s per sequence·token of context.
+TRUE = (1e-4, 0.0, 0.0, 0.02, 2e-8, 5e-4, 0.0, 0.025)
+CAP = 200_000.0
+SEQS = 256.0
+
+
+def synthetic(
+    params: tuple[float, ...],
+    n: int,
+    rng: random.Random,
+    *,
+    start_s: float = 0.0,
+    noise: float = 0.03,
+    outliers: float = 0.0,
+    streamed: bool = True,
+) -> list[Observation]:
+    """Requests at varied load whose TTFT and decode follow ``params`` (fit.py's model) with noise."""
+    out = []
+    for k in range(n):
+        i = rng.randint(20, 2000)
+        o = rng.randint(2, 600)
+        n1 = float(rng.randint(1, 60))
+        n2 = float(max(1, n1 + rng.randint(-5, 5)))
+        ctx1, ctx2 = n1 * rng.uniform(200, 900), n2 * rng.uniform(200, 900)
+        ahead = float(rng.choice([0, 0, 0, rng.randint(0, 4000)]))
+        obs = Observation(0, start_s + k * 0.1, i, o, 0.0, 0.0, ahead, n1, ctx1, n2, ctx2)
+        e2e = predict_e2e_s(params, obs, CAP, SEQS)
+        tpot = predict_tpot_s(params, obs, CAP, SEQS)
+        decode = (o - 1) * tpot * (1 + noise * rng.gauss(0, 1))
+        ttft = max(e2e - (o - 1) * tpot, 1e-3) * (1 + noise * rng.gauss(0, 1))
+        if outliers and rng.random() < outliers:
+            ttft *= 20.0  # a request stuck behind something the model does not know about
+        out.append(
+            Observation(
+                0,
+                obs.finished_at_s,
+                i,
+                o,
+                ttft if streamed else None,
+                ttft + decode,
+                ahead,
+                n1,
+                ctx1,
+                n2,
+                ctx2,
+            )
+        )
+    return out
+
+
+def _step(params: tuple[float, ...], b: float, length: float) -> float:
+    return params[4] * b * length + params[5] * b + params[6] * length + params[7]
+
+
+def test_fit_recovers_the_decode_curve_and_the_prefill_level_from_a_wrong_prior() -> None:
+    prior = tuple(v * 2.0 for v in TRUE)  # twice too slow everywhere
+    obs = synthetic(TRUE, 400, random.Random(1))
+    fit = fit_backend(
+        obs,
+        prior,
+        now_s=obs[-1].finished_at_s,
+        capacity_tokens=CAP,
+        max_num_seqs=SEQS,
+        settings=FitSettings(),
+    )
+    for b, length in ((1, 300), (16, 500), (48, 800)):
+        assert _step(fit.params, b, length) == pytest.approx(_step(TRUE, b, length), rel=0.05)
+    # Prefill is learned as a scale of the prior's curve: the scale comes back to the truth.
+    assert fit.params[0] == pytest.approx(TRUE[0], rel=0.1)
+    assert fit.params[3] == pytest.approx(TRUE[3], rel=0.1)
+    assert fit.samples == 400 and fit.tpot_mape < 0.05
+
+
+def test_fit_is_robust_to_outliers() -> None:
+    obs = synthetic(TRUE, 400, random.Random(2), outliers=0.1)
+    fit = fit_backend(
+        obs, TRUE, now_s=obs[-1].finished_at_s, capacity_tokens=CAP, max_num_seqs=SEQS, settings=FitSettings()
+    )
+    assert fit.params[0] == pytest.approx(TRUE[0], rel=0.15)
+    assert _step(fit.params, 16, 500) == pytest.approx(_step(TRUE, 16, 500), rel=0.05)
+
+
+def test_few_observations_stay_near_the_prior_and_many_move_to_the_data() -> None:
+    prior = tuple(v * 2.0 for v in TRUE)
+    rng = random.Random(3)
+    few = synthetic(TRUE, 2, rng)
+    many = synthetic(TRUE, 300, rng)
+    settings = FitSettings(prior_strength=8.0)
+    with_few = fit_backend(
+        few, prior, now_s=few[-1].finished_at_s, capacity_tokens=CAP, max_num_seqs=SEQS, settings=settings
+    )
+    with_many = fit_backend(
+        many, prior, now_s=many[-1].finished_at_s, capacity_tokens=CAP, max_num_seqs=SEQS, settings=settings
+    )
+    truth, start = _step(TRUE, 16, 500), _step(prior, 16, 500)
+    few_err = abs(_step(with_few.params, 16, 500) - truth)
+    many_err = abs(_step(with_many.params, 16, 500) - truth)
+    assert few_err > 0.1 * abs(start - truth)  # two requests do not overrule the prior entirely
+    assert many_err < 0.05 * truth and many_err < few_err / 3
+
+
+def test_no_observation_returns_the_prior() -> None:
+    fit = fit_backend([], TRUE, now_s=0.0, capacity_tokens=CAP, max_num_seqs=SEQS, settings=FitSettings())
+    assert fit.params == TRUE and fit.samples == 0
+
+
+def test_non_streaming_answers_are_fitted_on_their_e2e() -> None:
+    prior = tuple(v * 2.0 for v in TRUE)
+    obs = synthetic(TRUE, 400, random.Random(4), streamed=False)
+    fit = fit_backend(
+        obs,
+        prior,
+        now_s=obs[-1].finished_at_s,
+        capacity_tokens=CAP,
+        max_num_seqs=SEQS,
+        settings=FitSettings(),
+    )
+    errors = [abs(predict_e2e_s(fit.params, o, CAP, SEQS) / o.e2e_s - 1) for o in obs]
+    assert float(np.median(errors)) < 0.05
+    assert math.isnan(fit.tpot_mape) and fit.e2e_mape < 0.1
+
+
+def test_the_decaying_window_follows_a_change() -> None:
+    slow = tuple(v * 2.0 for v in TRUE)
+    rng = random.Random(5)
+    old = synthetic(TRUE, 300, rng, start_s=0.0)
+    new = synthetic(slow, 300, rng, start_s=200.0)  # 60 s of the slower regime, 170 s later
+    fit = fit_backend(
+        old + new,
+        TRUE,
+        now_s=new[-1].finished_at_s,
+        capacity_tokens=CAP,
+        max_num_seqs=SEQS,
+        settings=FitSettings(half_life_s=20.0),
+    )
+    assert _step(fit.params, 16, 500) == pytest.approx(_step(slow, 16, 500), rel=0.1)
+
+
+def _live(config: LearningConfig | None = None, n: int = 1) -> LiveModels:
+    priors = [PriorModel(TRUE, "test prior", "profile")] * n
+    return LiveModels([f"b{i}" for i in range(n)], priors, [CAP] * n, [SEQS] * n, config or LearningConfig())
+
+
+def test_live_models_publish_new_read_only_arrays_only_on_refit() -> None:
+    live = _live(n=2)
+    before = live.params
+    assert not before.flags.writeable and not live.samples.flags.writeable
+    slow = tuple(v * 1.3 for v in TRUE)
+    for obs in synthetic(slow, 50, random.Random(6)):
+        live.observe(obs)
+    assert live.params is before  # observe only records
+    assert live.refit(now_s=10.0) == 1
+    assert live.params is not before and not live.params.flags.writeable
+    assert live.params[1].tolist() == pytest.approx(list(TRUE))  # backend 1 saw nothing
+    assert live.samples.tolist() == [50.0, 0.0]
+    d = live.describe(0)
+    assert d["samples"] == 50 and d["prior"] == {"source": "test prior", "kind": "profile"}
+    params = d["params"]
+    assert isinstance(params, dict) and params["p8"]["source"] == "live"
+    assert 0.0 <= float(str(d["e2e_error"])) < 1.0
+
+
+def test_a_two_fold_slow_down_is_detected_as_drift_and_relearned() -> None:
+    live = _live(LearningConfig(half_life_s=30.0))
+    rng = random.Random(7)
+    now = 0.0
+    for obs in synthetic(TRUE, 200, rng, start_s=0.0):
+        live.observe(obs)
+        now = obs.finished_at_s
+    live.refit(now)
+    assert live.drifts(0) == 0
+    slow = tuple(v * 2.0 for v in TRUE)
+    for obs in synthetic(slow, 100, rng, start_s=now + 1):
+        live.observe(obs)
+        now = obs.finished_at_s
+    assert live.drifts(0) >= 1
+    assert live.drift_times_s(0)[0] <= now
+    assert live.samples[0] < 200 + 100  # the count restarted at the drift
+    live.refit(now)
+    assert _step(tuple(live.params[0]), 16, 500) == pytest.approx(_step(slow, 16, 500), rel=0.2)
+
+
+def test_stationary_traffic_raises_no_drift() -> None:
+    live = _live()
+    for k, obs in enumerate(synthetic(TRUE, 600, random.Random(8))):
+        live.observe(obs)
+        if k % 20 == 19:
+            live.refit(obs.finished_at_s)
+    assert live.drifts(0) == 0
+    assert len(live.recent_e2e_errors(0)) == 256
+    assert float(np.median(live.recent_e2e_errors(0))) < 0.1
+
+
+def _spec(name: str, gpu: str = "V100-SXM2-32GB", tp: int = 4) -> BackendSpec:
+    return BackendSpec(name, "http://127.0.0.1:1", "vllm", ("house-llm",), gpu=gpu, tp=tp)
+
+
+def test_learned_models_are_saved_as_profiles_and_loaded_only_for_their_backend(tmp_path: Path) -> None:
+    live = _live(n=2)
+    for obs in synthetic(tuple(v * 1.5 for v in TRUE), 80, random.Random(9)):
+        live.observe(obs)
+    live.refit(10.0)
+    specs = [_spec("a/b c"), _spec("other")]
+    assert save_all(live, specs, [CAP, float("nan")], tmp_path) == 1  # backend 1 has no fit
+    path = state_file(tmp_path, "a/b c")
+    assert path.name == "a_b_c.yaml"
+    profile = load_profile(path)  # the same artifact format `hetroute profile` writes
+    assert profile.source == "live" and profile.labels["backend"] == "a/b c"
+    assert profile.params.as_tuple() == pytest.approx(tuple(live.params[0]))
+    assert profile.kv_capacity_tokens == int(CAP) and profile.sweep["live_samples"] == 80
+    assert set(load_saved(tmp_path, specs)) == {0}
+    # The same name on another GPU or TP is not this backend: ignored (with a warning).
+    assert load_saved(tmp_path, [_spec("a/b c", tp=2)]) == {}
+    path.write_text("params: [1, 2]\n")
+    assert load_saved(tmp_path, specs) == {}  # unreadable: ignored, never fatal
+    assert live_profile(live, 1, specs[1], float("nan")).kv_capacity_source == "unknown"
