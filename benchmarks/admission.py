@@ -68,6 +68,7 @@ class Task:
     rate: float = math.inf
     overload_s: float = 0.0
     full: Mapping[str, float] = field(default_factory=dict)
+    learning: bool = False
 
 
 def _fleet(scenario: str, profile: bool) -> Any:
@@ -117,8 +118,18 @@ def execute(task: Task) -> dict[str, Any]:
     workload = generate_workload("sharegpt", n, task.rate, task.seed, fleet.max_model_len())
     adm = _admission(task, workload) if task.queue else None
     started = time.perf_counter()
+    from hetroute.learning.settings import LearningConfig
+
+    learning = LearningConfig() if task.learning else None
     r = run_simulation(
-        fleet, workload, task.policy, dict(task.params), seed=task.seed, label=task.label, admission=adm
+        fleet,
+        workload,
+        task.policy,
+        dict(task.params),
+        seed=task.seed,
+        label=task.label,
+        admission=adm,
+        learning=learning,
     )
     row: dict[str, Any] = {
         "kind": task.kind,
@@ -187,8 +198,18 @@ def build_tasks(args: argparse.Namespace, cap_rps: Mapping[tuple[str, int], floa
                 ),
                 Task(label="paper (workload_minmax)", policy="workload_minmax", **inf),
                 Task(label="paper + queue", policy="workload_minmax", queue=True, **inf),
+                Task(label="default + learning", learning=True, **inf),
+                Task(label="default + queue + learning", queue=True, learning=True, **inf),
                 Task(label="default, no profile", profile=False, **inf),
                 Task(label="default + queue, no profile", profile=False, queue=True, **inf),
+                Task(label="default + learning, no profile", profile=False, learning=True, **inf),
+                Task(
+                    label="default + queue + learning, no profile",
+                    profile=False,
+                    queue=True,
+                    learning=True,
+                    **inf,
+                ),
             ]
             cap = cap_rps[(sc, seed)]
             for kind, mult, dur in (("burst", 3.0, 30.0), ("overload", 1.5, args.overload_s)):
@@ -371,8 +392,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "default + queue, seqs 2x",
             "paper (workload_minmax)",
             "paper + queue",
+            "default + learning",
+            "default + queue + learning",
             "default, no profile",
             "default + queue, no profile",
+            "default + learning, no profile",
+            "default + queue + learning, no profile",
         ],
         "capacity_rps": {f"{k[0]} seed {k[1]}": v for k, v in cap_rps.items()},
     }
