@@ -35,7 +35,7 @@ from hetroute.types import FloatArray
 
 log = logging.getLogger(__name__)
 
-DRIFT_WINDOW = 16
+DRIFT_WINDOW = 32
 """Observations whose median residual decides a drift."""
 ERROR_WINDOW = 256
 """Recent out-of-sample e2e errors kept per backend (``recent_e2e_errors``)."""
