@@ -35,7 +35,7 @@ from hetroute.types import FloatArray
 
 log = logging.getLogger(__name__)
 
-DRIFT_WINDOW = 16
+DRIFT_WINDOW = 32
 """Observations whose median residual decides a drift."""
 ERROR_WINDOW = 256
 """Recent out-of-sample e2e errors kept per backend (``recent_e2e_errors``)."""
@@ -83,7 +83,9 @@ class LiveModels:
         capacities_tokens: Sequence[float],
         max_num_seqs: Sequence[float],
         config: LearningConfig,
+        initial_params: Sequence[Sequence[float]] | None = None,
     ) -> None:
+        """``initial_params`` (default: the priors) is what is published until a backend's first fit."""
         if not len(names) == len(priors) == len(capacities_tokens) == len(max_num_seqs):
             raise ValueError("one prior, capacity and max_num_seqs per backend")
         self.names = tuple(names)
@@ -96,7 +98,8 @@ class LiveModels:
         self._fallback_caps = np.array(capacities_tokens, dtype=np.float64)
         self._caps = self._fallback_caps.copy()
         self._max_seqs = np.array(max_num_seqs, dtype=np.float64)
-        params = np.array([p.params for p in priors], dtype=np.float64).reshape(len(priors), 8)
+        start = initial_params if initial_params is not None else [p.params for p in priors]
+        params = np.array(start, dtype=np.float64).reshape(len(priors), 8)
         params.flags.writeable = False
         self.params: FloatArray = params
         self.samples: FloatArray = self._samples()

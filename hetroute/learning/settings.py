@@ -15,7 +15,7 @@ class LearningConfig:
     - ``window``: observations kept per backend.
     - ``prior_strength``: how many observations' worth of pull the prior's decode-curve shape keeps (λ_d;
       its speed moves on less evidence, see ``fit.py``).
-    - ``drift_ratio``: a backend whose last 16 requests took, in median, this factor longer (or
+    - ``drift_ratio``: a backend whose last 32 requests took, in median, this factor longer (or
       shorter) than the model predicts has drifted: older observations lose their weight.
     - ``state_dir``: where the learned models are saved (every ``save_interval_s`` and at shutdown) and
       loaded from at start (``hetroute serve --state-dir``); None: not persisted.
@@ -26,6 +26,6 @@ class LearningConfig:
     half_life_s: float = 30.0
     window: int = 512
     prior_strength: float = 32.0
-    drift_ratio: float = 1.5
+    drift_ratio: float = 1.6
     state_dir: str | None = None
     save_interval_s: float = 60.0

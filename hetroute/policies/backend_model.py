@@ -40,11 +40,18 @@ from hetroute.types import BackendSpec, ClusterSnapshot, EngineMetrics, FloatArr
 
 log = logging.getLogger(__name__)
 
-NEUTRAL_PARAMS = LatencyParams(p1=2e-4, p2=0.0, p3=0.0, p4=0.0, p5=0.0, p6=0.0, p7=0.0, p8=0.02)
-"""Used when a backend has neither a profile nor a usable prior: 0.2 ms per prompt token (in p1: prefill
-is compute-bound, so a batch of prompts costs per token, and the prefill-queue term ``p1 · P`` is
-live), 20 ms per decode step at any batch. Live learning scales the prefill curve and fits the decode
-curve from there."""
+NEUTRAL_PARAMS = LatencyParams(p1=0.0, p2=0.0, p3=2e-4, p4=0.0, p5=0.0, p6=0.0, p7=0.0, p8=0.02)
+"""Used when a backend has neither a profile nor a usable prior: 0.2 ms per prompt token, 20 ms per step.
+
+Amortised over the KV-saturating batch (p3, p8 scale as 1/b), so with nothing else known the min-max
+splits saturating load in proportion to KV capacity, which is what routes best at rate ∞ (measured:
+putting the prompt cost in p1 instead cost 37 % of throughput on paper-a at rate ∞). Live learning
+starts its fit from ``NEUTRAL_LEARNING_PRIOR`` instead (``hetroute.learning.build``)."""
+
+NEUTRAL_LEARNING_PRIOR = LatencyParams(p1=2e-4, p2=0.0, p3=0.0, p4=0.0, p5=0.0, p6=0.0, p7=0.0, p8=0.02)
+"""The neutral curve the live learner scales: the same 0.2 ms per prompt token, in p1 (prefill is
+compute-bound: a batch of prompts costs per token, and the prefill-queue term ``p1 · P`` is live once
+learned), 20 ms per decode step."""
 
 NEUTRAL_KV_CAPACITY_TOKENS = 65536.0
 """KV capacity assumed when nothing (profile, metrics, config, prior, other backends) gives one."""

@@ -39,6 +39,11 @@ from hetroute.types import (
     engine_speaks,
 )
 
+MIN_TOKEN_GAP_S = 1e-4
+"""A stream whose tokens after the first arrived faster than this per token was delivered in one burst
+(an engine or proxy buffering the stream): its time to first token is not the engine's, so the latency
+learner takes only its end-to-end time."""
+
 AvailabilityFn = Callable[[int], bool]
 MetricsFn = Callable[[int], "EngineMetrics | None"]
 DecisionObserver = Callable[[str, str, float], None]
@@ -241,7 +246,11 @@ class Router:
         now = self.clock.now()
         i = ticket.backend_index
         first = ticket.first_token_at_s
-        ttft = first - ticket.dispatched_at_s if streamed and first is not None else None
+        ttft: float | None = None
+        if streamed and first is not None:
+            burst = output_tokens >= 2 and now - first < MIN_TOKEN_GAP_S * (output_tokens - 1)
+            # A stream that came in one burst (buffered upstream) is learned from its e2e only.
+            ttft = None if burst else first - ticket.dispatched_at_s
         metrics = self._latest_metrics(i)
         learner.observe(
             Observation(

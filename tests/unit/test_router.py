@@ -80,3 +80,28 @@ def test_snapshot_reflects_ledger_and_metrics_and_is_read_only() -> None:
         snap.requests_in_flight[0] = 5
     assert r.release(t) and not r.release(t)
     assert r.ledger.is_zero()
+
+
+def test_complete_feeds_the_learner_and_a_burst_stream_counts_as_e2e_only() -> None:
+    from hetroute.learning.live import LiveModels, PriorModel
+    from hetroute.learning.settings import LearningConfig
+    from hetroute.types import BackendSpec
+
+    clock = ManualClock()
+    spec = BackendSpec("a", "http://127.0.0.1:1", "vllm", ("m",))
+    policy = build_policy("round_robin", {}, PolicyContext((spec,)))
+    prior = PriorModel((2e-4, 0, 0, 0, 0, 0, 0, 0.02), "test", "neutral")
+    learner = LiveModels(["a"], [prior], [1e5], [256.0], LearningConfig())
+    router = Router([spec], policy, Ledger(["a"]), clock, learner=learner)
+    features = RequestFeatures("r1", "m", "openai", 100, None, 10)
+    for streamed, decode_s in ((True, 0.5), (True, 0.0), (False, 0.5)):
+        ticket = router.route(features)
+        clock.advance(0.1)
+        router.ledger.first_token(ticket, clock.now())
+        clock.advance(decode_s)
+        router.complete(ticket, 10, input_tokens=120, streamed=streamed)
+        router.release(ticket)
+    obs = list(learner._b[0].observations)
+    assert [o.ttft_s is not None for o in obs] == [True, False, False]  # burst and non-stream: e2e only
+    assert obs[0].ttft_s == pytest.approx(0.1) and obs[0].input_tokens == 120 and obs[0].output_tokens == 10
+    assert learner.observed_total(0) == 3 and router.ledger.is_zero()
