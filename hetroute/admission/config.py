@@ -5,9 +5,9 @@ Owns the schema of the router-side queue (docs/configuration.md, "admission"). I
 - ``classes`` is in strict priority order, highest first, with unique names; ``default_class``
   names one of them;
 - every bound is finite and positive; tenant weights are > 0;
-- the section is optional: ``AdmissionConfig()`` is the default (queue on, one class ``default``),
-  which holds requests only while every candidate backend is full, so a fleet that is never full
-  never sees it.
+- the section is optional: without it the queue is off (``AdmissionConfig()``); a present section
+  turns it on (one class ``default`` unless it lists classes), and it then holds requests only while
+  every candidate backend is full, so a fleet that is never full never sees it.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class ApiKeyConfig:
 class AdmissionConfig:
     """The router-side queue. ``enabled: false`` dispatches every request at once, as before."""
 
-    enabled: bool = True
+    enabled: bool = False
     classes: tuple[ClassConfig, ...] = (ClassConfig(),)
     default_class: str = DEFAULT_CLASS
     class_header: str = "x-hetroute-priority"
@@ -223,7 +223,9 @@ def parse_admission(raw: Any) -> AdmissionConfig:
     """Validate the decoded ``admission:`` mapping (None: the defaults)."""
     d = _mapping(raw, "admission")
     _only(d, _KEYS, "admission")
-    enabled = d.get("enabled", True)
+    # Off unless configured: through the gateway the queue cost rate-∞ throughput (docs/admission.md).
+    # A present ``admission:`` section turns it on unless it says ``enabled: false``.
+    enabled = d.get("enabled", raw is not None)
     if not isinstance(enabled, bool):
         raise ConfigError("admission.enabled", f"expected true or false, got {enabled!r}")
     classes_raw = d.get("classes")

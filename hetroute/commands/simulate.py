@@ -227,7 +227,7 @@ def _admission(source: str | None) -> SimAdmission | None:
     if source is None:
         return None
     if source == "on":
-        return SimAdmission(AdmissionConfig())
+        return SimAdmission(AdmissionConfig(enabled=True))
     try:
         data = yaml.safe_load(Path(source).read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as exc:
