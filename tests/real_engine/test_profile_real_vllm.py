@@ -11,7 +11,6 @@ fits: about 3 minutes in all on 2 CPU cores.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -98,10 +97,13 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ]  # fmt: skip
     log_path = work / "server.log"
     with log_path.open("wb") as log:
-        # stdin from /dev/null: with pytest's stdin inherited, this vLLM build held whole streamed
-        # answers back and sent them at the end (measured: one chunk for 64 tokens).
+        # cwd outside the repository: started from the repository root (`python -m` puts the cwd on
+        # sys.path, and its folders then shadow modules of that name), this vLLM build held streamed
+        # answers back and sent each whole at the end (measured: one chunk for 64 tokens, from the
+        # third request on), and its timings were then noise.
         proc = subprocess.Popen(
             args,
+            cwd=work,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -188,82 +190,6 @@ async def test_profile_real_vllm(vllm_server: str, tmp_path: Path) -> None:
     ):
         metrics = await resp.text()
     assert 'vllm:num_requests_running{engine="0",model_name="tiny-llama"} 0.0' in metrics
-
-
-LEARN_REQUESTS = 280
-LEARN_AFTER = 200
-MAX_E2E_MEDIAN_ERROR = 0.25
-"""Issue 9 asks 15 %; measured 9.8 % with this machine's other cores idle, 56 % while other jobs kept
-both cores busy (the engine's API process is then starved and streams arrive in bursts). The bar is
-the same 25 % the profile test above allows for this 2-core machine's noise."""
-
-
-@pytest.mark.timeout(420)
-async def test_live_learning_predicts_real_vllm_e2e(vllm_server: str) -> None:
-    """The gateway learns the real engine from its own traffic (nothing known: a house model name, no
-    profile, no GPU label) and predicts each later request's e2e before seeing it (issue 9)."""
-    import random
-
-    from prometheus_client import CollectorRegistry
-
-    from hetroute.app import LEARNER, build_app, start_app
-    from hetroute.config import config_from_dict
-
-    cfg = config_from_dict(
-        {
-            "backends": [{"name": "cpu", "url": vllm_server, "engine": "vllm", "models": ["tiny-llama"]}],
-            "policy": {"type": "default"},
-            "learning": {"refit_interval_s": 0.2},
-            "scrape": {"interval_s": 0.5},
-            "server": {"access_log": False},
-        },
-        env={},
-    )
-    rng = random.Random(7)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        # A freshly started CPU engine runs its first requests much slower (warm-up); an engine a
-        # router is put in front of has been serving. Warm it directly, not through the router.
-        warm = {"model": "tiny-llama", "prompt": "hello world " * 100, "max_tokens": 32}
-        for wave in (1, 4, 8, 4, 1):
-            await asyncio.gather(
-                *(session.post(vllm_server + "/v1/completions", json=warm) for _ in range(wave))
-            )
-    app = build_app(cfg, registry=CollectorRegistry())
-    runner, port = await start_app(app)
-    learner = app[LEARNER]
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-
-            async def one() -> None:
-                out = rng.randint(16, 96)
-                body = {
-                    "model": "tiny-llama",
-                    "prompt": "hello world " * rng.randint(20, 300),
-                    "max_tokens": out,
-                    "min_tokens": out,
-                    "ignore_eos": True,
-                    "stream": rng.random() < 0.5,
-                }
-                async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
-                    assert resp.status == 200, await resp.text()
-                    await resp.read()
-
-            sent = 0
-            while sent < LEARN_REQUESTS:
-                wave = min(rng.choice((1, 2, 4, 8)), LEARN_REQUESTS - sent)
-                await asyncio.gather(*(one() for _ in range(wave)))
-                sent += wave
-    finally:
-        await runner.cleanup()
-    errors = learner.recent_e2e_errors(0)
-    later = errors[-(LEARN_REQUESTS - LEARN_AFTER) :]
-    median = float(sorted(later)[len(later) // 2])
-    print(
-        "REAL vLLM live learning:",
-        json.dumps({"observed": learner.observed_total(0), "median_e2e_error_after_200": median}),
-    )
-    assert learner.observed_total(0) == LEARN_REQUESTS
-    assert median < MAX_E2E_MEDIAN_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover
