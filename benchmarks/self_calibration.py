@@ -54,7 +54,6 @@ import logging
 import math
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -413,27 +412,6 @@ def sim_tasks(args: argparse.Namespace) -> list[SimTask]:
 # --------------------------------------------------------------------------- gateway runs
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def wait_ready(session: Any, url: str, timeout_s: float = 60.0) -> None:
-    import aiohttp
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status == 200:
-                    return
-        except (TimeoutError, aiohttp.ClientError):
-            pass
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"{url} not ready after {timeout_s} s")
-
-
 async def one_request(
     session: Any, url: str, model: str, req: Any, start: float, speedup: float
 ) -> tuple[float, float, float, str]:
@@ -471,6 +449,9 @@ async def gateway_run(scenario: str, variant: str, rate: float, args: argparse.N
 
     from hetroute.latency import save_profile
     from hetroute.sim.workload import generate_workload
+
+    sys.path.insert(0, str(HERE))
+    from policies_gateway import free_port, wait_ready
 
     fleet = fleet_for(scenario, "prior")
     k = float(args.speedup)

@@ -12,14 +12,7 @@ fits: about 3 minutes in all on 2 CPU cores.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,15 +23,11 @@ from hetroute.clock import MonotonicClock
 from hetroute.latency import load_profile
 from profiling.collect import SweepConfig
 from profiling.runner import EXIT_OK, ProfileOptions, profile_backend
+from tests.real_engine import tiny_vllm
+from tests.real_engine.live_learning import measure
 
 pytestmark = pytest.mark.real_engine
 
-VENV = Path(os.environ.get("HETROUTE_VLLM_VENV", Path.home() / ".cache/hetroute/vllm-venv"))
-HERE = Path(__file__).parent
-NUM_GPU_BLOCKS = 256
-BLOCK_SIZE = 32
-MAX_NUM_SEQS = 16
-MAX_MODEL_LEN = 2048
 BUDGET_S = 120.0
 STARTUP_TIMEOUT_S = 180.0
 # The engine shares 2 CPU cores with the profiler's own client, so timings are noisier than on a GPU
@@ -46,86 +35,21 @@ STARTUP_TIMEOUT_S = 180.0
 MAX_MAPE = 0.25
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-            return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    python = VENV / "bin" / "python"
-    if not (VENV / ".hetroute-ready").is_file() or not python.is_file():
+    if not tiny_vllm.ready():
         pytest.skip(
-            f"REAL ENGINE NOT INSTALLED: no ready vLLM venv at {VENV}; "
+            f"REAL ENGINE NOT INSTALLED: no ready vLLM venv at {tiny_vllm.VENV}; "
             "run tests/real_engine/setup.sh (it failed or was never run)"
         )
-    work = tmp_path_factory.mktemp("real_vllm")
-    model_dir = work / "model"
-    subprocess.run(
-        [str(python), str(HERE / "build_tiny_model.py"), str(model_dir), "--hidden", "512", "--layers", "4"],
-        check=True,
-        timeout=120,
-        capture_output=True,
-    )
-    port = _free_port()
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_TARGET_DEVICE="cpu",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-        VLLM_HOST_IP="127.0.0.1",
-    )
-    args = [
-        str(python), "-m", "vllm.entrypoints.openai.api_server",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--model", str(model_dir), "--served-model-name", "tiny-llama",
-        "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
-        "--max-num-seqs", str(MAX_NUM_SEQS),
-        "--num-gpu-blocks-override", str(NUM_GPU_BLOCKS), "--block-size", str(BLOCK_SIZE),
-    ]  # fmt: skip
-    log_path = work / "server.log"
-    with log_path.open("wb") as log:
-        # cwd outside the repository: started from the repository root (`python -m` puts the cwd on
-        # sys.path, and its folders then shadow modules of that name), this vLLM build held streamed
-        # answers back and sent each whole at the end (measured: one chunk for 64 tokens, from the
-        # third request on), and its timings were then noise.
-        proc = subprocess.Popen(
-            args,
-            cwd=work,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = log_path.read_text(errors="replace")[-3000:]
-                pytest.fail(f"vLLM did not become healthy (exit {proc.poll()}); log tail:\n{tail}")
-            time.sleep(1.0)
+        proc, url = tiny_vllm.start(tmp_path_factory.mktemp("real_vllm"), STARTUP_TIMEOUT_S)
+    except tiny_vllm.DidNotStart as exc:
+        pytest.fail(str(exc))
+    try:
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        tiny_vllm.stop(proc)
 
 
 @pytest.mark.timeout(420)
@@ -141,7 +65,7 @@ async def test_profile_real_vllm(vllm_server: str, tmp_path: Path) -> None:
             input_lens=(128, 512, 1024),
             output_lens=(64, 128),
             reps=3,
-            max_concurrency=MAX_NUM_SEQS,
+            max_concurrency=tiny_vllm.MAX_NUM_SEQS,
             budget_s=BUDGET_S,
             timeout_s=60.0,
             run_id="real",
@@ -154,9 +78,9 @@ async def test_profile_real_vllm(vllm_server: str, tmp_path: Path) -> None:
     report = "\n".join(lines)
     print(report)
     assert outcome.info is not None and outcome.fit is not None, report
-    assert outcome.info.kv_capacity_tokens == NUM_GPU_BLOCKS * BLOCK_SIZE
+    assert outcome.info.kv_capacity_tokens == tiny_vllm.NUM_GPU_BLOCKS * tiny_vllm.BLOCK_SIZE
     assert outcome.info.kv_capacity_source == "vllm:cache_config_info"
-    assert outcome.info.max_model_len == MAX_MODEL_LEN and outcome.info.engine_version == "0.32.0"
+    assert outcome.info.max_model_len == tiny_vllm.MAX_MODEL_LEN and outcome.info.engine_version == "0.32.0"
     assert "output length controlled exactly" in report
     assert outcome.sweep is not None and outcome.sweep.elapsed_s <= BUDGET_S + 5.0
     fit = outcome.fit
@@ -180,7 +104,7 @@ async def test_profile_real_vllm(vllm_server: str, tmp_path: Path) -> None:
     assert fit.decode_heldout.mape < MAX_MAPE, report
     assert outcome.exit_code == EXIT_OK and outcome.written, outcome.message
     loaded = load_profile(out)
-    assert loaded.kv_capacity_tokens == NUM_GPU_BLOCKS * BLOCK_SIZE
+    assert loaded.kv_capacity_tokens == tiny_vllm.NUM_GPU_BLOCKS * tiny_vllm.BLOCK_SIZE
     assert loaded.labels["engine_version"] == "0.32.0" and loaded.labels["model"] == "tiny-llama"
     assert (tmp_path / "tiny-cpu.png").stat().st_size > 10_000
     # Nothing left running on the engine once the profile returns.
@@ -190,6 +114,20 @@ async def test_profile_real_vllm(vllm_server: str, tmp_path: Path) -> None:
     ):
         metrics = await resp.text()
     assert 'vllm:num_requests_running{engine="0",model_name="tiny-llama"} 0.0' in metrics
+
+
+MAX_E2E_MEDIAN_ERROR = 0.15
+"""Issue 9: once the backend has had 200 completions, later requests' e2e within 15 % in median."""
+
+
+@pytest.mark.timeout(420)
+async def test_live_learning_predicts_real_vllm_e2e(vllm_server: str) -> None:
+    """Nothing known (a house model name, no profile, no GPU label): the gateway learns the real
+    engine from its own traffic and predicts each later request's e2e before seeing it."""
+    result = await measure(vllm_server, requests=280, after=200, seed=7)
+    print("REAL vLLM live learning:", json.dumps(result))
+    assert result["ok"] == result["observed"] == 280
+    assert result["median_e2e_error_after"] < MAX_E2E_MEDIAN_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover

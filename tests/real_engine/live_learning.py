@@ -1,0 +1,82 @@
+"""The live-learning measurement against a real engine, shared by the ``real_engine`` test and
+``benchmarks/live_learning_real_vllm.py``.
+
+``measure`` puts the real gateway in front of ``url`` in this process with nothing known (a house
+model name, no profile, no GPU label: the neutral default), sends ``requests`` completions — half
+streamed, half not, 16-96 output tokens, 40-600 prompt words, in waves of 1, 2, 4 or 8 — and returns
+the median of ``|predicted / observed e2e − 1|`` over the requests after the first ``after``, each
+predicted by the live model before it saw that request (``LiveModels.recent_e2e_errors``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from typing import Any
+
+import aiohttp
+from prometheus_client import CollectorRegistry
+
+from hetroute.app import LEARNER, build_app, start_app
+from hetroute.config import config_from_dict
+from tests.real_engine.tiny_vllm import SERVED
+
+
+async def measure(url: str, requests: int, after: int, seed: int) -> dict[str, Any]:
+    """The module docstring's run; the result's ``median_e2e_error_after`` is the headline."""
+    cfg = config_from_dict(
+        {
+            "backends": [{"name": "cpu", "url": url, "engine": "vllm", "models": [SERVED]}],
+            "policy": {"type": "default"},
+            "learning": {"refit_interval_s": 0.2},
+            "scrape": {"interval_s": 0.5},
+            "server": {"access_log": False},
+        },
+        env={},
+    )
+    app = build_app(cfg, registry=CollectorRegistry())
+    runner, port = await start_app(app)
+    learner = app[LEARNER]
+    rng = random.Random(seed)
+    started = time.perf_counter()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+
+            async def one() -> int:
+                out = rng.randint(16, 96)
+                body = {
+                    "model": SERVED,
+                    "prompt": "hello world " * rng.randint(20, 300),
+                    "max_tokens": out,
+                    "min_tokens": out,
+                    "ignore_eos": True,
+                    "stream": rng.random() < 0.5,
+                }
+                async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+                    await resp.read()
+                    return resp.status
+
+            sent, statuses = 0, []
+            while sent < requests:
+                wave = min(rng.choice((1, 2, 4, 8)), requests - sent)
+                statuses += await asyncio.gather(*(one() for _ in range(wave)))
+                sent += wave
+    finally:
+        await runner.cleanup()
+    errors = learner.recent_e2e_errors(0)
+    later = errors[-(requests - after) :]
+    fit = learner.fit_of(0)
+    return {
+        "requests": requests,
+        "ok": sum(1 for s in statuses if s == 200),
+        "observed": learner.observed_total(0),
+        "median_e2e_error_after": statistics.median(later),
+        "p90_e2e_error_after": sorted(later)[int(0.9 * (len(later) - 1))],
+        "after": after,
+        "learned_params": [float(v) for v in learner.params[0]],
+        "fit_tpot_mape": fit.tpot_mape if fit is not None else None,
+        "drifts": learner.drifts(0),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
