@@ -39,6 +39,7 @@ from typing import Final, Literal
 import numpy as np
 
 from hetroute.errors import ConfigError
+from hetroute.prefix.hashing import Segment
 
 WorkloadKind = Literal["sharegpt", "azure-conv", "azure-code"]
 WORKLOAD_KINDS: Final[tuple[WorkloadKind, ...]] = ("sharegpt", "azure-conv", "azure-code")
@@ -53,6 +54,11 @@ class SimRequest:
 
     ``max_tokens`` is what the client would send (None = not sent); predictors clamp to it. ``model`` is
     empty when the workload does not name one (the simulator then uses the cluster's single model).
+
+    ``segments`` describes the prompt's content for prefix caching (``hetroute.prefix.hashing``): when
+    given, their tokens sum to ``input_tokens`` and two requests share cached KV blocks exactly where
+    their segments agree; empty means content shared with no other request. ``session`` names the
+    conversation or user the request belongs to ("" = none): the session-affinity hint.
     """
 
     request_id: str
@@ -61,6 +67,8 @@ class SimRequest:
     output_tokens: int
     max_tokens: int | None = None
     model: str = ""
+    segments: tuple[Segment, ...] = ()
+    session: str = ""
 
 
 # Quantile knots (probability, tokens) of the Azure LLM inference 2023 traces.
