@@ -34,6 +34,7 @@ from hetroute.learning.live import LiveModels
 from hetroute.learning.state import load_saved, save_all
 from hetroute.policies import PolicyContext, build_policy
 from hetroute.policies.backend_model import BackendModels
+from hetroute.prefix.state import PrefixState
 from hetroute.proxy.client_limits import ClientGuard, limits_of
 from hetroute.proxy.connection import LINGERING_S, GuardedRunner
 from hetroute.proxy.forward import Forwarder, ForwardSettings
@@ -120,6 +121,7 @@ def build_app(
         latest_metrics=metrics.latest,
         on_decision=telemetry.on_decision,
         learner=learner,
+        prefix=PrefixState(len(specs), cfg.prefix) if cfg.prefix.enabled else None,
     )
     telemetry.bind_backends(
         names, health.is_available, metrics.age_s, lambda i: int(ledger.requests_in_flight[i])

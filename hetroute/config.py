@@ -27,6 +27,7 @@ from hetroute.errors import ConfigError
 from hetroute.latency import LatencyProfile, ProfileError, load_profile
 from hetroute.learning.settings import LearningConfig
 from hetroute.policies import policy_names
+from hetroute.prefix.settings import PrefixConfig
 from hetroute.types import ENGINE_KINDS, BackendSpec, EngineKind
 
 ADMIN_TOKEN_ENV = "HETROUTE_ADMIN_TOKEN"
@@ -162,6 +163,7 @@ class Config:
     tokens: TokensConfig = field(default_factory=TokensConfig)
     learning: LearningConfig = field(default_factory=LearningConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)
     admin_token: str | None = None
     default_model: str | None = None
     seed: int = 0
@@ -258,6 +260,7 @@ _HEALTH_KEYS = tuple(HealthConfig.__dataclass_fields__)
 _SCRAPE_KEYS = tuple(ScrapeConfig.__dataclass_fields__)
 _TOKENS_KEYS = tuple(TokensConfig.__dataclass_fields__)
 _LEARNING_KEYS = tuple(LearningConfig.__dataclass_fields__)
+_PREFIX_KEYS = tuple(PrefixConfig.__dataclass_fields__)
 _BACKEND_KEYS = (
     "name", "url", "engine", "models", "weight", "labels", "gpu", "tp",
     "profile", "kv_capacity_tokens", "max_num_seqs",
@@ -266,6 +269,7 @@ _DEFAULTS_KEYS = ("engine", "weight", "labels", "profile", "kv_capacity_tokens",
 _TOP_KEYS = (
     "backends", "defaults", "profiles", "policy", "predictor", "server", "timeouts", "retries",
     "health", "scrape", "tokens", "learning", "admin_token", "default_model", "seed", "admission",
+    "prefix",
 )  # fmt: skip
 
 
@@ -363,6 +367,23 @@ def _learning(raw: Any) -> LearningConfig:
         drift_ratio=ratio,
         state_dir=_str(d, "state_dir", "learning", dflt.state_dir),
         save_interval_s=_num(d, "save_interval_s", "learning", dflt.save_interval_s),
+    )
+
+
+def _prefix(raw: Any) -> PrefixConfig:
+    d = _mapping(raw, "prefix")
+    _check_keys(d, _PREFIX_KEYS, "prefix")
+    dflt = PrefixConfig()
+    header = _str(d, "session_header", "prefix", dflt.session_header)
+    if any(c.isspace() or c == ":" for c in header):
+        raise ConfigError("prefix.session_header", f"not a header name: {header!r}")
+    return PrefixConfig(
+        enabled=_bool(d, "enabled", "prefix", dflt.enabled),
+        ttl_s=_num(d, "ttl_s", "prefix", dflt.ttl_s),
+        max_chunks=_int(d, "max_chunks", "prefix", dflt.max_chunks),
+        session_header=header.lower(),
+        session_ttl_s=_num(d, "session_ttl_s", "prefix", dflt.session_ttl_s),
+        max_sessions=_int(d, "max_sessions", "prefix", dflt.max_sessions),
     )
 
 
@@ -511,6 +532,7 @@ def config_from_dict(
         tokens=_tokens(root.get("tokens")),
         learning=_learning(root.get("learning")),
         admission=parse_admission(root.get("admission")),
+        prefix=_prefix(root.get("prefix")),
         admin_token=token,
         default_model=_str(root, "default_model", "<root>", None),
         seed=seed,

@@ -79,6 +79,8 @@ class EngineMetrics:
     num_gpu_blocks: int | None = None
     num_preemptions_total: float | None = None
     batch_current_max_tokens: float | None = None
+    prefix_cache_queries_total: float | None = None
+    prefix_cache_hits_total: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +90,10 @@ class RequestFeatures:
     ``input_tokens`` is an estimate (chars-per-token, learned online) unless a tokenizer
     was used; ``predicted_output_tokens`` comes from the configured predictor and is
     already clamped to ``max_tokens``.
+
+    ``prefix_hashes`` are the chained hashes of the prompt's full chunks (``hetroute.prefix.hashing``),
+    each about ``prefix_chunk_tokens`` tokens; empty when prefix routing is off or the prompt is
+    shorter than one chunk. ``session`` is the request's session key ("" = none).
     """
 
     request_id: str
@@ -97,6 +103,9 @@ class RequestFeatures:
     max_tokens: int | None
     predicted_output_tokens: int
     stream: bool = False
+    prefix_hashes: tuple[int, ...] = ()
+    prefix_chunk_tokens: float = 0.0
+    session: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +134,12 @@ class ClusterSnapshot:
     learns (``hetroute.learning``), else None and policies use their static models (profile, roofline
     prior, neutral default). ``model_samples[i]`` counts the observations behind backend i's model
     since its last detected drift (None when not learning); policies use it to bound exploration.
+
+    The last three fields concern the request being decided (``hetroute.prefix``):
+    ``prefix_matched_tokens[i]`` is how many of its prompt tokens the router's prefix index says
+    backend i holds (None when prefix routing is off or the prompt has no full chunk),
+    ``prefix_trust[i]`` the engines' hit counters' correction of that guess (in [0.05, 1]), and
+    ``session_backend`` the backend its session last went to (-1: none).
     """
 
     now_s: float
@@ -141,6 +156,19 @@ class ClusterSnapshot:
     kv_capacity_tokens: FloatArray
     latency_params: FloatArray | None = None
     model_samples: FloatArray | None = None
+    prefix_matched_tokens: FloatArray | None = None
+    prefix_trust: FloatArray | None = None
+    session_backend: int = -1
+
+    def prefix_cached_tokens(self, idx: IntArray) -> FloatArray | None:
+        """Estimated cached prompt tokens of this decision's request on backends ``idx``
+        (``trust · matched``, docs/prefix.md), or None when nothing is known."""
+        matched = self.prefix_matched_tokens
+        if matched is None:
+            return None
+        trust = self.prefix_trust
+        out: FloatArray = matched[idx] if trust is None else matched[idx] * trust[idx]
+        return out
 
     @property
     def kv_tokens_in_flight(self) -> FloatArray:

@@ -115,12 +115,12 @@ class Placer:
             best = int(free[np.argmin(self._first_token_s(features, snap, free))])
             if best != decision.index:
                 decision, snap = router.decide(features, exclude=[i for i in cands if i != best])
-            return router.commit(features, decision, snap.now_s)
+            return router.commit(features, decision, snap)
         if not full[cands.index(decision.index)]:
-            return router.commit(features, decision, snap.now_s)
+            return router.commit(features, decision, snap)
         spill, snap = router.decide(features, exclude=idx[full].tolist())
         if self._finishes_in_time(features, snap, idx[full], spill.index, decision.index, waiting):
-            return router.commit(features, spill, snap.now_s)
+            return router.commit(features, spill, snap)
         return None
 
     def _first_token_s(self, features: RequestFeatures, snap: ClusterSnapshot, idx: IntArray) -> FloatArray:

@@ -12,9 +12,12 @@ from collections.abc import Mapping
 from hetroute.errors import ConfigError
 from hetroute.policies import balanced_minmax, capacity_weighted, memory_minmax, single, workload_minmax
 from hetroute.policies.base import PolicyContext, PolicyFactory
+from hetroute.policies.cache_aware import CacheAware
 from hetroute.policies.least_outstanding import LeastOutstanding
+from hetroute.policies.prefix_scorer import PrefixScorer
 from hetroute.policies.random_choice import RandomChoice
 from hetroute.policies.round_robin import RoundRobin
+from hetroute.policies.session_hash import SessionHash
 from hetroute.policies.weighted_round_robin import WeightedRoundRobin
 from hetroute.types import Policy
 
@@ -28,6 +31,9 @@ POLICIES: dict[str, PolicyFactory] = {
     "single": single.Single.from_config,
     "capacity_weighted": capacity_weighted.CapacityWeighted.from_config,
     "balanced_minmax": balanced_minmax.from_config,
+    "cache_aware": CacheAware.from_config,
+    "prefix_scorer": PrefixScorer.from_config,
+    "session_hash": SessionHash.from_config,
 }
 
 DEFAULT_POLICY = "balanced_minmax"

@@ -223,21 +223,25 @@ class BackendModels:
         output_tokens: float,
         capacity_tokens: FloatArray,
         params: FloatArray | None = None,
+        cached_tokens: FloatArray | None = None,
     ) -> FloatArray:
         """T_r^s (Eq. 5-6) for each backend in ``idx``; ``capacity_tokens`` aligned with ``idx``.
 
         ``params`` (n×8) replaces the static p1..p8 when given: the snapshot's ``latency_params``.
+        ``cached_tokens`` (aligned with ``idx``) are prompt tokens expected in each backend's prefix
+        cache: the prefill terms (p1·b·I, p3·I) count only I − cached, the KV terms the whole prompt.
         """
         i = float(max(input_tokens, 0))
+        iu = _uncached(i, cached_tokens)
         o = float(max(output_tokens, 0))
         per_request = max(1.0, i + o)
         b = np.minimum(np.maximum(np.floor(capacity_tokens / per_request), 1.0), self.max_num_seqs[idx])
         p = self.rows(idx, params)
         s = o * i + o * (o + 1.0) / 2.0
         total = (
-            p[:, 0] * b * i
+            p[:, 0] * b * iu
             + p[:, 1] * b
-            + p[:, 2] * i
+            + p[:, 2] * iu
             + p[:, 3]
             + p[:, 4] * b * s
             + p[:, 5] * b * o
@@ -255,27 +259,35 @@ class BackendModels:
         batch: FloatArray,
         context_tokens: FloatArray,
         params: FloatArray | None = None,
+        cached_tokens: FloatArray | None = None,
     ) -> FloatArray:
         """Latency of one request joining a running batch: its prefill alone, then Õ decode steps.
 
         ``batch`` is the number of sequences decoding together (r included) and ``context_tokens``
         their mean KV length, both aligned with ``idx``:
-        ``T_prefill(1, I) + Õ · τ_decode(context + Õ/2, batch)`` (Eq. 3 and the per-step model).
+        ``T_prefill(1, I − cached) + Õ · τ_decode(context + Õ/2, batch)`` (Eq. 3 and the per-step
+        model; ``cached_tokens`` as in :meth:`amortised_request_s`).
         """
         p = self.rows(idx, params)
-        i = float(max(input_tokens, 0))
         o = float(max(output_tokens, 0))
+        iu = _uncached(float(max(input_tokens, 0)), cached_tokens)
         b = np.minimum(np.maximum(batch, 1.0), self.max_num_seqs[idx])
         kv_len = context_tokens + o / 2.0
-        prefill = p[:, 0] * i + p[:, 1] + p[:, 2] * i + p[:, 3]
+        prefill = p[:, 0] * iu + p[:, 1] + p[:, 2] * iu + p[:, 3]
         step = p[:, 4] * b * kv_len + p[:, 5] * b + p[:, 6] * kv_len + p[:, 7]
         out: FloatArray = np.maximum(prefill + o * step, 0.0)
         return out
 
-    def prefill_s(self, idx: IntArray, input_tokens: float, params: FloatArray | None = None) -> FloatArray:
-        """T_prefill(1, I) per backend in ``idx``: one prompt prefilled alone (Eq. 3 with b = 1), ≥ 0."""
+    def prefill_s(
+        self,
+        idx: IntArray,
+        input_tokens: float,
+        params: FloatArray | None = None,
+        cached_tokens: FloatArray | None = None,
+    ) -> FloatArray:
+        """T_prefill(1, I − cached) per backend in ``idx``: one prompt prefilled alone (Eq. 3, b = 1), ≥ 0."""
         p = self.rows(idx, params)
-        i = float(max(input_tokens, 0))
+        i = _uncached(float(max(input_tokens, 0)), cached_tokens)
         out: FloatArray = np.maximum(p[:, 0] * i + p[:, 1] + p[:, 2] * i + p[:, 3], 0.0)
         return out
 
@@ -304,6 +316,14 @@ class BackendModels:
         tokens = max(1.0, float(input_tokens) + float(output_tokens))
         out: FloatArray = tokens / np.maximum(t, 1e-12)
         return out
+
+
+def _uncached(input_tokens: float, cached_tokens: FloatArray | None) -> FloatArray | float:
+    """Prompt tokens left to prefill: ``I − cached`` (≥ 0), or ``I`` when nothing is cached."""
+    if cached_tokens is None:
+        return input_tokens
+    out: FloatArray = np.maximum(input_tokens - cached_tokens, 0.0)
+    return out
 
 
 def describe_backend_models(

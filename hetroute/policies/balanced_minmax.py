@@ -46,6 +46,9 @@ from collections.abc import Mapping
 from hetroute.policies.base import PolicyContext
 from hetroute.policies.workload_minmax import MinMaxPolicy, build_minmax
 
+SESSION_SLACK = 0.1
+"""A session stays on its last backend while that backend's min-max score is within 10 % of the best."""
+
 
 def from_config(params: Mapping[str, object], ctx: PolicyContext) -> MinMaxPolicy:
     """``balanced_minmax``: min-max of predicted finish time (drain time with a latency floor)."""
@@ -58,4 +61,6 @@ def from_config(params: Mapping[str, object], ctx: PolicyContext) -> MinMaxPolic
         latency_floor=True,
         prefill_queue=True,
         ttft_weight=8.0,
+        prefix=True,
+        session_slack=SESSION_SLACK,
     )

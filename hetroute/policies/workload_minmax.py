@@ -132,8 +132,12 @@ class MinMaxPolicy:
         explore_share: float = 0.0,
         explore_min_samples: int = 0,
         explore_max_output_tokens: int = 0,
+        prefix: bool = False,
+        session_slack: float = 0.0,
     ) -> None:
         self.name = name
+        self.prefix = prefix
+        self.session_slack = session_slack
         self.explore_share = explore_share
         self.explore_min_samples = explore_min_samples
         self.explore_max_output_tokens = explore_max_output_tokens
@@ -153,13 +157,14 @@ class MinMaxPolicy:
     ) -> tuple[FloatArray, FloatArray, FloatArray]:
         """(T_r^s, kvusage_s, w_r^s) for every candidate."""
         cap = self.models.capacity_tokens(snapshot, candidates)
+        cached = snapshot.prefix_cached_tokens(candidates) if self.prefix else None
         i = float(features.input_tokens)
         o = float(features.predicted_output_tokens)
         if self.unit_time:
             t: FloatArray = np.ones(len(candidates), dtype=np.float64)
         else:
             batch_cap = cap if self.batch_kv == "full" else cap * (i + o) / max(1.0, i + o / 2.0)
-            t = self.models.amortised_request_s(candidates, i, o, batch_cap, snapshot.latency_params)
+            t = self.models.amortised_request_s(candidates, i, o, batch_cap, snapshot.latency_params, cached)
         u = kv_usage(snapshot, candidates, cap, self.kv_signal)
         g = np.maximum(u - 1.0, 0.0) if self.overflow_only else u
         w: FloatArray = t * np.exp(np.minimum(self.theta * g, MAX_EXPONENT))
@@ -175,15 +180,24 @@ class MinMaxPolicy:
         )
         mean_context = (context + features.input_tokens) / (n + 1.0)
         params = snapshot.latency_params
+        cached = snapshot.prefix_cached_tokens(candidates) if self.prefix else None
         out = self.models.request_latency_s(
-            candidates, features.input_tokens, features.predicted_output_tokens, n + 1.0, mean_context, params
+            candidates,
+            features.input_tokens,
+            features.predicted_output_tokens,
+            n + 1.0,
+            mean_context,
+            params,
+            cached,
         )
         if self.prefill_queue:
             out = out + self.models.prefill_queue_s(
                 candidates, snapshot.prefill_pending_tokens[candidates], params
             )
         if self.ttft_weight > 0.0:
-            out = out + self.ttft_weight * self.models.prefill_s(candidates, features.input_tokens, params)
+            out = out + self.ttft_weight * self.models.prefill_s(
+                candidates, features.input_tokens, params, cached
+            )
         return out
 
     def choose(
@@ -207,6 +221,7 @@ class MinMaxPolicy:
             own_tied = own[tied]
             tied = tied[own_tied <= float(own_tied.min()) + 1e-12 * max(1.0, abs(float(own_tied.min())))]
         k = int(tied[self._rng.randrange(tied.size)]) if tied.size > 1 else int(tied[0])
+        k = self._keep_session(snapshot, candidates, score, best, k)
         explored = self._explore(features, snapshot, candidates, k)
         if explored is not None:
             k = explored
@@ -221,6 +236,20 @@ class MinMaxPolicy:
             workload_cost=cost,
             scores={"minmax_load": best, "T_s": float(t[k]), "kv_usage": float(u[k]), "w": cost},
         )
+
+    def _keep_session(
+        self, snapshot: ClusterSnapshot, candidates: IntArray, score: FloatArray, best: float, chosen: int
+    ) -> int:
+        """Session affinity as a soft hint: the session's last backend when its min-max score is within
+        ``session_slack`` of the best (the load model agrees it is about as good), else ``chosen``."""
+        home = snapshot.session_backend
+        if home < 0 or self.session_slack <= 0.0:
+            return chosen
+        where = np.flatnonzero(candidates == home)
+        if where.size == 0:
+            return chosen
+        j = int(where[0])
+        return j if float(score[j]) <= best * (1.0 + self.session_slack) else chosen
 
     def _explore(
         self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray, chosen: int
@@ -266,6 +295,8 @@ def build_minmax(
     latency_floor: bool = False,
     prefill_queue: bool = False,
     ttft_weight: float = 0.0,
+    prefix: bool = False,
+    session_slack: float = 0.0,
 ) -> MinMaxPolicy:
     """Validate ``params`` (overriding the given defaults) and build a :class:`MinMaxPolicy`."""
     allowed = (
@@ -275,7 +306,8 @@ def build_minmax(
         "explore_share",
         "explore_min_samples",
         "explore_max_output_tokens",
-    ) + (() if unit_time else ("batch_kv", "latency_floor", "prefill_queue", "ttft_weight"))
+        "session_slack",
+    ) + (() if unit_time else ("batch_kv", "latency_floor", "prefill_queue", "ttft_weight", "prefix"))
     check_known(params, allowed, name)
     signal = read_choice(params, "kv_signal", kv_signal, KV_SIGNALS)
     batch = read_choice(params, "batch_kv", batch_kv, BATCH_KV)
@@ -296,6 +328,8 @@ def build_minmax(
         explore_max_output_tokens=read_int(
             params, "explore_max_output_tokens", EXPLORE_MAX_OUTPUT_TOKENS, minimum=1
         ),
+        prefix=read_bool(params, "prefix", prefix) and not unit_time,
+        session_slack=read_float(params, "session_slack", session_slack, minimum=0.0, maximum=10.0),
     )
 
 

@@ -39,6 +39,7 @@ from hetroute.admission.gate import AdmissionGate
 from hetroute.admission.queue import Shed
 from hetroute.backends.health import HealthTracker
 from hetroute.errors import NoBackendAvailable, UnknownModel
+from hetroute.prefix.hashing import ROUTER_CHUNK_CHARS, text_chunk_hashes
 from hetroute.proxy.api_errors import BACKEND_HEADER, REQUEST_ID_HEADER, ApiError, error_response
 from hetroute.proxy.hop_by_hop import strip_hop_by_hop
 from hetroute.proxy.protocols import ParsedRequest, TokenEstimator
@@ -163,9 +164,7 @@ class Forwarder:
         start = self.clock.now()
         input_est = self.estimator.estimate(model, parsed)
         predicted = self.predictor.predict(model, input_est, parsed.max_tokens)
-        features = RequestFeatures(
-            rid, model, parsed.api, input_est, parsed.max_tokens, predicted, parsed.stream
-        )
+        features = self._features(request, parsed, rid, model, input_est, predicted)
         rec.prompt_tokens = input_est
         tried: list[int] = []
         failure: _Failure | None = None
@@ -211,6 +210,37 @@ class Forwarder:
         finally:
             rec.duration_s = self.clock.now() - start
             self._finish(rec)
+
+    def _features(
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        rid: str,
+        model: str,
+        input_est: int,
+        predicted: int,
+    ) -> RequestFeatures:
+        """The router's view of the request; with prefix routing on, its prompt's chunk hashes (256
+        characters each, ≈ 256 / chars-per-token tokens) and its session key (header, else ``user``)."""
+        prefix = self.router.prefix
+        if prefix is None:
+            return RequestFeatures(
+                rid, model, parsed.api, input_est, parsed.max_tokens, predicted, parsed.stream
+            )
+        header = prefix.config.session_header
+        session = (request.headers.get(header, "") if header else "") or parsed.user
+        return RequestFeatures(
+            rid,
+            model,
+            parsed.api,
+            input_est,
+            parsed.max_tokens,
+            predicted,
+            parsed.stream,
+            text_chunk_hashes(parsed.prefix_text) if parsed.prefix_text else (),
+            ROUTER_CHUNK_CHARS / self.estimator.chars_per_token(model),
+            session[:256],
+        )
 
     def _finish(self, rec: AccessRecord) -> None:
         self.telemetry.observe_request(

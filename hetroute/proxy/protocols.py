@@ -39,6 +39,11 @@ class ParsedRequest:
     stream: bool
     strip_usage: bool
     body: bytes
+    prefix_text: str = ""
+    """The prompt as one text, for the router's prefix index: a completions prompt (strings joined),
+    TGI's ``inputs``, or chat messages as ``role\x1fcontent\x1e`` each; "" for token-id prompts."""
+    user: str = ""
+    """The OpenAI ``user`` field when it is a string (a session key for affinity), else ""."""
 
 
 def _decode(raw: bytes) -> dict[str, Any]:
@@ -88,21 +93,27 @@ def with_model(parsed: ParsedRequest, model: str) -> ParsedRequest:
     return replace(parsed, model=model, body=json.dumps(obj).encode())
 
 
-def _content_chars(content: Any, param: str) -> int:
+def _content_text(content: Any, param: str) -> str:
+    """A message's text (the ``text`` parts of a list joined); validates the shape."""
     if content is None:
-        return 0
+        return ""
     if isinstance(content, str):
-        return len(content)
+        return content
     if isinstance(content, list):
-        total = 0
+        texts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict):
                 raise ApiError(400, f"`{param}[{j}]` must be an object", param=f"{param}[{j}]")
             text = part.get("text")
             if isinstance(text, str):
-                total += len(text)
-        return total
+                texts.append(text)
+        return "".join(texts)
     raise ApiError(400, f"`{param}` must be a string, a list of parts or null", param=param)
+
+
+def _user(obj: Mapping[str, Any]) -> str:
+    user = obj.get("user")
+    return user if isinstance(user, str) else ""
 
 
 def _stream_fields(obj: dict[str, Any]) -> tuple[bool, bool, bytes | None]:
@@ -126,18 +137,33 @@ def parse_chat(raw: bytes) -> ParsedRequest:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "`messages` must be a non-empty list", param="messages")
     chars = 0
+    parts: list[str] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise ApiError(400, f"`messages[{i}]` must be an object", param=f"messages[{i}]")
-        if not isinstance(msg.get("role"), str):
+        role = msg.get("role")
+        if not isinstance(role, str):
             raise ApiError(400, f"`messages[{i}].role` must be a string", param=f"messages[{i}].role")
-        chars += _content_chars(msg.get("content"), f"messages[{i}].content")
+        text = _content_text(msg.get("content"), f"messages[{i}].content")
+        chars += len(text)
+        parts.append(f"{role}\x1f{text}\x1e")
     max_tokens = _opt_int(obj, "max_completion_tokens", "max_completion_tokens") or _opt_int(
         obj, "max_tokens", "max_tokens"
     )
     stream, strip, body = _stream_fields(obj)
     return ParsedRequest(
-        "openai", "chat", "/v1/chat/completions", model, chars, None, max_tokens, stream, strip, body or raw
+        "openai",
+        "chat",
+        "/v1/chat/completions",
+        model,
+        chars,
+        None,
+        max_tokens,
+        stream,
+        strip,
+        body or raw,
+        "".join(parts),
+        _user(obj),
     )
 
 
@@ -147,10 +173,13 @@ def parse_completions(raw: bytes) -> ParsedRequest:
     prompt = obj.get("prompt")
     chars = 0
     token_count: int | None = None
+    text = ""
     if isinstance(prompt, str):
         chars = len(prompt)
+        text = prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         chars = sum(len(p) for p in prompt)
+        text = prompt[0]  # a batch of prompts: the first decides locality
     elif (
         isinstance(prompt, list)
         and prompt
@@ -176,6 +205,8 @@ def parse_completions(raw: bytes) -> ParsedRequest:
         stream,
         strip,
         body or raw,
+        text,
+        _user(obj),
     )
 
 
@@ -192,9 +223,13 @@ def parse_generate(raw: bytes, *, stream: bool | None) -> ParsedRequest:
     max_new = _opt_int(params or {}, "max_new_tokens", "parameters.max_new_tokens")
     if stream is None:
         is_stream = _opt_bool(obj, "stream", "stream")
-        return ParsedRequest("tgi", "compat", "/", None, len(inputs), None, max_new, is_stream, False, raw)
+        return ParsedRequest(
+            "tgi", "compat", "/", None, len(inputs), None, max_new, is_stream, False, raw, inputs
+        )
     kind: Kind = "generate_stream" if stream else "generate"
-    return ParsedRequest("tgi", kind, f"/{kind}", None, len(inputs), None, max_new, stream, False, raw)
+    return ParsedRequest(
+        "tgi", kind, f"/{kind}", None, len(inputs), None, max_new, stream, False, raw, inputs
+    )
 
 
 PARSERS = {

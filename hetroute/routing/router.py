@@ -23,6 +23,7 @@ import numpy as np
 from hetroute.errors import NoBackendAvailable, UnknownModel
 from hetroute.learning.live import LiveModels
 from hetroute.learning.observation import Observation
+from hetroute.prefix.state import PrefixState
 from hetroute.routing.ledger import Ledger, Ticket
 from hetroute.types import (
     Api,
@@ -72,6 +73,7 @@ class Router:
         on_decision: DecisionObserver | None = None,
         timer: Callable[[], float] = time.perf_counter,
         learner: LiveModels | None = None,
+        prefix: PrefixState | None = None,
     ) -> None:
         if not backends:
             raise ValueError("a router needs at least one backend")
@@ -86,6 +88,7 @@ class Router:
         self._on_decision = on_decision
         self._timer = timer
         self.learner = learner
+        self.prefix = prefix
         self._serving: dict[tuple[str, Api], tuple[int, ...]] = {}
         self._profile_caps: FloatArray = np.array(
             [
@@ -131,13 +134,18 @@ class Router:
         """An immutable copy of the cluster state now (ledger, health, engine metrics)."""
         return self._snapshot()[0]
 
-    def _snapshot(self) -> tuple[ClusterSnapshot, tuple[bool, ...]]:
-        """The snapshot and its availability as a tuple (cheaper to index than the array)."""
+    def _snapshot(self, features: RequestFeatures | None = None) -> tuple[ClusterSnapshot, tuple[bool, ...]]:
+        """The snapshot (with the prefix and session facts of ``features`` when given) and its
+        availability as a tuple (cheaper to index than the array)."""
         backends = self._range
         latest = self._latest_metrics
         metrics = tuple([latest(i) for i in backends])
+        prefix = self.prefix
         if metrics != self._caps_key:  # identity of the same objects: no rebuild
             self._caps_key, self._caps = metrics, self._capacities(metrics)
+            if prefix is not None:
+                prefix.set_capacities(self._caps)
+                prefix.scraped(metrics)
         is_available = self._is_available
         available = tuple([is_available(i) for i in backends])
         if available != self._available_key:
@@ -146,8 +154,14 @@ class Router:
             self._available_key, self._available = available, flags
         requests, floats = self.ledger.snapshot_arrays()
         learner = self.learner
+        now = self.clock.now()
+        matched = None
+        session_backend = -1
+        if prefix is not None and features is not None:
+            matched = prefix.matched_tokens(features, now)
+            session_backend = prefix.session_backend(features, now)
         snap = ClusterSnapshot(
-            now_s=self.clock.now(),
+            now_s=now,
             backends=self.backends,
             metrics=metrics,
             requests_in_flight=requests,
@@ -161,6 +175,9 @@ class Router:
             kv_capacity_tokens=self._caps,
             latency_params=learner.params if learner is not None else None,
             model_samples=learner.samples if learner is not None else None,
+            prefix_matched_tokens=matched,
+            prefix_trust=prefix.trust.trust if matched is not None and prefix is not None else None,
+            session_backend=session_backend,
         )
         return snap, available
 
@@ -183,7 +200,7 @@ class Router:
         :class:`NoBackendAvailable` when every serving backend is unavailable or excluded.
         """
         decision, snap = self.decide(features, exclude)
-        return self.commit(features, decision, snap.now_s)
+        return self.commit(features, decision, snap)
 
     def decide(
         self, features: RequestFeatures, exclude: Collection[int] = ()
@@ -197,7 +214,7 @@ class Router:
         if not serving:
             raise UnknownModel(features.model)
         self._decide_started = self._timer()
-        snap, available = self._snapshot()
+        snap, available = self._snapshot(features)
         cand_list = [i for i in serving if available[i] and i not in exclude]
         if not cand_list:
             raise NoBackendAvailable(features.model)
@@ -210,9 +227,14 @@ class Router:
             )
         return decision, snap
 
-    def commit(self, features: RequestFeatures, decision: RoutingDecision, now_s: float) -> Ticket:
-        """Record ``decision`` (from :meth:`decide`) as a dispatch in the ledger; the decision
-        observer gets the time since that :meth:`decide` began."""
+    def commit(self, features: RequestFeatures, decision: RoutingDecision, snap: ClusterSnapshot) -> Ticket:
+        """Record ``decision`` (from :meth:`decide`, which saw ``snap``) as a dispatch in the ledger and
+        the prefix index; the decision observer gets the time since that :meth:`decide` began."""
+        now_s = snap.now_s
+        prefill_tokens: int | None = None
+        if self.prefix is not None:
+            cached = self.prefix.dispatched(features, decision.index, snap.prefix_matched_tokens, now_s)
+            prefill_tokens = features.input_tokens - round(cached)
         ticket = self.ledger.dispatch(
             request_id=features.request_id,
             backend_index=decision.index,
@@ -222,6 +244,7 @@ class Router:
             now_s=now_s,
             policy=self.policy.name,
             reason=decision.reason,
+            prefill_tokens=prefill_tokens,
         )
         if self._on_decision is not None:
             self._on_decision(self.policy.name, ticket.backend_name, self._timer() - self._decide_started)

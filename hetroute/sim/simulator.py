@@ -49,6 +49,9 @@ from hetroute.learning.live import LiveModels
 from hetroute.learning.settings import LearningConfig
 from hetroute.policies import PolicyContext, build_policy
 from hetroute.policies.backend_model import BackendModels
+from hetroute.prefix.hashing import ROUTER_CHUNK_TOKENS, segment_block_hashes
+from hetroute.prefix.settings import PrefixConfig
+from hetroute.prefix.state import PrefixState
 from hetroute.routing.ledger import Ledger, Ticket
 from hetroute.routing.router import Router
 from hetroute.sim.cluster_file import ClusterSpec, Fleet, build_fleet
@@ -60,6 +63,8 @@ if TYPE_CHECKING:
     from hetroute.sim.admission_run import SimAdmission
 
 _STEP_END, _SCRAPE, _ARRIVAL, _REFIT = 0, 1, 2, 3  # also the priority at equal times
+
+DEFAULT_PREFIX = PrefixConfig()
 
 GATEWAY_SCRAPE_INTERVAL_S = ScrapeConfig().interval_s
 """The gateway's default ``scrape.interval_s``: by default the simulated router sees metrics as stale as
@@ -244,6 +249,9 @@ class _Run:
             max_tokens=req.max_tokens,
             predicted_output_tokens=int(predicted),
             stream=True,
+            prefix_hashes=segment_block_hashes(req.segments, ROUTER_CHUNK_TOKENS) if req.segments else (),
+            prefix_chunk_tokens=float(ROUTER_CHUNK_TOKENS),
+            session=req.session,
         )
 
     def submit(
@@ -404,6 +412,7 @@ def run_simulation(
     learning: LearningConfig | None = None,
     slowdowns: Sequence[Slowdown] = (),
     admission: SimAdmission | None = None,
+    prefix: PrefixConfig | None = DEFAULT_PREFIX,
 ) -> SimResult:
     """Simulate ``workload`` (sorted by arrival) on ``cluster`` routed by ``policy_name``.
 
@@ -415,6 +424,8 @@ def run_simulation(
     object (``policy_params`` ignored; it must be fresh, policies keep private state). The policy and
     predictor get ``seed``. ``label`` names the run in the result (default: the policy's name).
     ``admission`` puts the gateway's admission queue in front of the router (admission_run.py).
+    ``prefix`` is the router's prefix-cache locality and session affinity (on by default, as in the
+    gateway; None turns the router's index off, the engines still cache prefixes).
     """
     if scrape_interval_s < 0 or not math.isfinite(scrape_interval_s):
         raise ConfigError("scrape_interval_s", f"must be a finite number >= 0, got {scrape_interval_s}")
@@ -448,6 +459,7 @@ def run_simulation(
         clock,
         latest_metrics=lambda i: holder[0].latest_metrics(i),
         learner=learner,
+        prefix=PrefixState(len(fleet.backends), prefix) if prefix is not None and prefix.enabled else None,
     )
     if admission is None:
         run = _Run(fleet, workload, router, pred, clock, scrape_interval_s, learner, slowdowns)

@@ -1,0 +1,192 @@
+"""The router's approximate prefix index: which backend probably holds which prompt chunks in its KV cache.
+
+The engines' caches cannot be read, so the router keeps its own guess from what it sent where (the
+approach of SGLang's approximate radix tree and llm-d's approximate prefix scorer), without a
+tokenizer: a prompt is a chain of chunk hashes (``hetroute.prefix.hashing``), and after a dispatch the
+chosen backend is assumed to hold every full chunk of that prompt.
+
+Structure (memory and time bounded):
+
+- ``_holders``: chunk hash → bit mask of the backends assumed to hold it (one dict entry per distinct
+  chunk, whatever the number of backends).
+- ``_lru[b]``: per-backend recency order of its chunks (an insertion-ordered dict used as an LRU).
+  Each backend holds at most ``capacity_chunks[b]`` chunks: its KV capacity in chunks, since an engine
+  cannot cache more than its KV cache holds. Beyond it the least recently used chunk is dropped, tail
+  of a prompt before its head (a chain is touched tail first), as vLLM evicts.
+- Entries older than ``ttl_s`` are dropped lazily (an engine evicts what nobody reused).
+- ``max_chunks`` bounds the whole index: past it, the globally oldest backend's LRU chunk goes.
+
+Lookup (:meth:`matched_chunks`) walks the request's chain once, intersecting masks, so it costs
+O(matched chunks + backends that drop out), not O(backends × chunks): at 64 backends and a 32-chunk
+match it is a few microseconds.
+
+The index is a guess; :class:`~hetroute.prefix.trust.CacheTrust` corrects it with the engines' own hit
+counters.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from hetroute.types import FloatArray
+
+DEFAULT_MAX_CHUNKS = 2_000_000
+"""Whole-index bound: about 2 M chunks × 64 tokens = 128 M tokens of KV, far beyond any fleet's cache
+(a 80 GB GPU holds about 0.5 M tokens of an 8 B model); memory stays under ~400 MB at the bound."""
+DEFAULT_TTL_S = 600.0
+
+
+class PrefixIndex:
+    """Per-backend approximate prefix cache contents; see the module docstring.
+
+    Not thread-safe (one event loop). ``now_s`` comes from the caller's clock (house style §7).
+    """
+
+    __slots__ = ("_holders", "_lru", "_capacity", "_ttl_s", "_max_chunks", "_n", "_all", "_count")
+
+    def __init__(
+        self,
+        capacity_chunks: Sequence[float],
+        *,
+        ttl_s: float = DEFAULT_TTL_S,
+        max_chunks: int = DEFAULT_MAX_CHUNKS,
+    ) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if max_chunks < 1:
+            raise ValueError(f"max_chunks must be ≥ 1, got {max_chunks}")
+        self._n = len(capacity_chunks)
+        self._holders: dict[int, int] = {}
+        self._lru: list[dict[int, float]] = [{} for _ in range(self._n)]
+        self._capacity = [max(1, int(c)) if c == c else max_chunks for c in capacity_chunks]
+        self._ttl_s = ttl_s
+        self._max_chunks = max_chunks
+        self._all = (1 << self._n) - 1
+        self._count = 0
+
+    @property
+    def backends(self) -> int:
+        return self._n
+
+    def set_capacity(self, backend: int, chunks: float) -> None:
+        """Bound backend ``backend`` to ``chunks`` chunks (its KV capacity became known); trims now."""
+        self._capacity[backend] = max(1, int(chunks)) if chunks == chunks else self._max_chunks
+        self._trim(backend)
+
+    def chunks(self, backend: int) -> int:
+        """Chunks currently assumed cached on ``backend``."""
+        return len(self._lru[backend])
+
+    def total_chunks(self) -> int:
+        """Distinct chunk hashes in the index."""
+        return len(self._holders)
+
+    def matched_chunks(self, hashes: Sequence[int], now_s: float) -> FloatArray:
+        """Leading chunks of ``hashes`` each backend is assumed to hold (n floats; expired ones miss)."""
+        out: FloatArray = np.zeros(self._n, dtype=np.float64)
+        mask = self._all
+        holders = self._holders
+        depth = 0
+        for h in hashes:
+            held = holders.get(h, 0) & mask
+            if held != mask:
+                dropped = mask & ~held
+                while dropped:
+                    low = dropped & -dropped
+                    out[low.bit_length() - 1] = depth
+                    dropped ^= low
+                mask = held
+                if not mask:
+                    return self._expire_check(hashes, out, now_s)
+            depth += 1
+        while mask:
+            low = mask & -mask
+            out[low.bit_length() - 1] = depth
+            mask ^= low
+        return self._expire_check(hashes, out, now_s)
+
+    def _expire_check(self, hashes: Sequence[int], out: FloatArray, now_s: float) -> FloatArray:
+        """Cut each backend's match at its first chunk older than the TTL.
+
+        A chain is touched whole and tail first, so along a matched chain the timestamps never
+        increase: if the last matched chunk is fresh, all are; else the first stale one is found.
+        """
+        cutoff = now_s - self._ttl_s
+        for b in np.flatnonzero(out).tolist():
+            lru = self._lru[b]
+            depth = int(out[b])
+            if lru.get(hashes[depth - 1], cutoff - 1.0) >= cutoff:
+                continue
+            for d in range(depth):
+                if lru.get(hashes[d], cutoff - 1.0) < cutoff:
+                    out[b] = d
+                    break
+        return out
+
+    def insert(self, backend: int, hashes: Sequence[int], now_s: float) -> None:
+        """Record that ``backend`` now holds every chunk of ``hashes`` (after a dispatch to it)."""
+        if not hashes:
+            return
+        lru = self._lru[backend]
+        bit = 1 << backend
+        holders = self._holders
+        for h in reversed(hashes):  # tail first: the head ends most recent, so it is evicted last
+            if h in lru:
+                del lru[h]
+            else:
+                holders[h] = holders.get(h, 0) | bit
+                self._count += 1
+            lru[h] = now_s
+        self._trim(backend)
+        cutoff = now_s - self._ttl_s
+        while lru and next(iter(lru.values())) < cutoff:  # the oldest first: O(expired)
+            self._drop_oldest(backend)
+        if len(holders) > self._max_chunks:
+            self._trim_global()
+
+    def forget_backend(self, backend: int) -> None:
+        """Drop everything ``backend`` was assumed to hold (it restarted, or its cache was reset)."""
+        bit = 1 << backend
+        holders = self._holders
+        for h in self._lru[backend]:
+            left = holders.get(h, 0) & ~bit
+            if left:
+                holders[h] = left
+            else:
+                holders.pop(h, None)
+        self._count -= len(self._lru[backend])
+        self._lru[backend] = {}
+
+    def _drop_oldest(self, backend: int) -> None:
+        lru = self._lru[backend]
+        h = next(iter(lru))
+        del lru[h]
+        self._count -= 1
+        left = self._holders.get(h, 0) & ~(1 << backend)
+        if left:
+            self._holders[h] = left
+        else:
+            self._holders.pop(h, None)
+
+    def _trim(self, backend: int) -> None:
+        lru = self._lru[backend]
+        cap = self._capacity[backend]
+        while len(lru) > cap:
+            self._drop_oldest(backend)
+
+    def _trim_global(self) -> None:
+        while len(self._holders) > self._max_chunks:
+            oldest = min(
+                (b for b in range(self._n) if self._lru[b]),
+                key=lambda b: next(iter(self._lru[b].values())),
+            )
+            self._drop_oldest(oldest)
+
+    def memory_bytes(self) -> int:
+        """Approximate bytes held by the index's containers (dicts and their int keys and values)."""
+        total = sys.getsizeof(self._holders) + sum(sys.getsizeof(d) for d in self._lru)
+        # Keys are shared ints (~32 B each), masks and timestamps ~28-32 B each.
+        return total + 32 * len(self._holders) * 2 + 24 * self._count

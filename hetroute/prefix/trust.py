@@ -1,0 +1,79 @@
+"""Correcting the router's prefix guess with the engines' own prefix-cache hit counters.
+
+vLLM exports cumulative counters of prompt tokens looked up in its prefix cache and of tokens found
+(``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``). Between two scrapes of backend b the
+engine's hits Δh_b can be set against the hits the router predicted for the requests it sent there,
+Δp_b (the index's matched tokens at dispatch). Their ratio says how far the index over-estimates the
+cache (evictions the router did not see, another router replica's traffic, a restarted engine):
+
+    trust_b ← (1 − α) · trust_b + α · clamp(Δh_b / Δp_b, 0, 1)      when Δp_b ≥ MIN_PREDICTED_TOKENS
+
+with α = :data:`TRUST_RATE`. The cost model counts ``trust_b · matched_b`` tokens as cached. ``trust`` stays
+1 for engines without the counters (TGI, OpenAI-compatible servers) and starts at 1. A counter that
+went down (engine restart) resets the baseline and the index's entries for that backend.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from hetroute.types import EngineMetrics, FloatArray
+
+TRUST_RATE = 0.3
+MIN_PREDICTED_TOKENS = 512.0
+TRUST_FLOOR = 0.05
+
+
+class CacheTrust:
+    """Per-backend trust in the prefix index, fed by dispatches and scrapes (see module docstring)."""
+
+    __slots__ = ("_trust", "_predicted", "_last_hits", "_last_metrics", "_view")
+
+    def __init__(self, backends: int) -> None:
+        self._trust: FloatArray = np.ones(backends, dtype=np.float64)
+        self._predicted = [0.0] * backends
+        self._last_hits: list[float | None] = [None] * backends
+        self._last_metrics: list[EngineMetrics | None] = [None] * backends
+        self._view: FloatArray = self._frozen()
+
+    def _frozen(self) -> FloatArray:
+        view = self._trust.copy()
+        view.flags.writeable = False
+        return view
+
+    @property
+    def trust(self) -> FloatArray:
+        """Read-only trust per backend in [TRUST_FLOOR, 1]."""
+        return self._view
+
+    def predicted(self, backend: int, tokens: float) -> None:
+        """The router sent ``backend`` a request it expects to hit ``tokens`` cached tokens."""
+        self._predicted[backend] += tokens
+
+    def scraped(self, backend: int, metrics: EngineMetrics | None) -> bool:
+        """Fold a scrape in; True when the engine's counter went backwards (restart: forget its cache)."""
+        if metrics is None or metrics is self._last_metrics[backend]:
+            return False
+        self._last_metrics[backend] = metrics
+        hits = metrics.prefix_cache_hits_total
+        if hits is None or not math.isfinite(hits):
+            return False
+        last = self._last_hits[backend]
+        self._last_hits[backend] = hits
+        if last is None:
+            self._predicted[backend] = 0.0
+            return False
+        if hits < last:
+            self._predicted[backend] = 0.0
+            return True
+        predicted = self._predicted[backend]
+        if predicted < MIN_PREDICTED_TOKENS:
+            return False
+        ratio = min(max((hits - last) / predicted, 0.0), 1.0)
+        old = float(self._trust[backend])
+        self._trust[backend] = max(TRUST_FLOOR, (1.0 - TRUST_RATE) * old + TRUST_RATE * ratio)
+        self._predicted[backend] = 0.0
+        self._view = self._frozen()
+        return False
