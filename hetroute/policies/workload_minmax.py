@@ -221,7 +221,7 @@ class MinMaxPolicy:
             own_tied = own[tied]
             tied = tied[own_tied <= float(own_tied.min()) + 1e-12 * max(1.0, abs(float(own_tied.min())))]
         k = int(tied[self._rng.randrange(tied.size)]) if tied.size > 1 else int(tied[0])
-        k = self._keep_session(snapshot, candidates, score, best, k)
+        k = self._keep_session(snapshot, candidates, score, own, k)
         explored = self._explore(features, snapshot, candidates, k)
         if explored is not None:
             k = explored
@@ -238,10 +238,11 @@ class MinMaxPolicy:
         )
 
     def _keep_session(
-        self, snapshot: ClusterSnapshot, candidates: IntArray, score: FloatArray, best: float, chosen: int
+        self, snapshot: ClusterSnapshot, candidates: IntArray, score: FloatArray, own: FloatArray, chosen: int
     ) -> int:
-        """Session affinity as a soft hint: the session's last backend when its min-max score is within
-        ``session_slack`` of the best (the load model agrees it is about as good), else ``chosen``."""
+        """Session affinity as a soft hint: the session's last backend when the load model rates it about
+        as good as ``chosen``: both its min-max score (the cluster's makespan) and its own predicted
+        finish for r within ``session_slack`` of ``chosen``'s; else ``chosen``."""
         home = snapshot.session_backend
         if home < 0 or self.session_slack <= 0.0:
             return chosen
@@ -249,7 +250,11 @@ class MinMaxPolicy:
         if where.size == 0:
             return chosen
         j = int(where[0])
-        return j if float(score[j]) <= best * (1.0 + self.session_slack) else chosen
+        slack = 1.0 + self.session_slack
+        agree = (
+            float(score[j]) <= float(score[chosen]) * slack and float(own[j]) <= float(own[chosen]) * slack
+        )
+        return j if agree else chosen
 
     def _explore(
         self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray, chosen: int

@@ -1,0 +1,142 @@
+"""Prefix-aware decisions: the default's cost model, the session hint and the three baselines."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from hetroute.clock import ManualClock
+from hetroute.policies import PolicyContext, build_policy
+from hetroute.prefix.hashing import ROUTER_CHUNK_CHARS, text_chunk_hashes
+from hetroute.prefix.settings import PrefixConfig
+from hetroute.prefix.state import PrefixState
+from hetroute.routing.ledger import Ledger
+from hetroute.routing.router import Router
+from hetroute.types import ClusterSnapshot, EngineMetrics, RequestFeatures
+from tests.unit.test_policies_workload import BOTH, FAST, SLOW, TWO, backend, profile, req, snap
+
+PROMPT = "p" * (ROUTER_CHUNK_CHARS * 32)  # 32 chunks, 2,048 tokens at 4 characters per token
+HASHES = text_chunk_hashes(PROMPT)
+
+
+def prefixed(
+    rid: str = "r", input_tokens: int = 2048, output: int = 50, session: str = ""
+) -> RequestFeatures:
+    return dataclasses.replace(
+        req(input_tokens, output, rid), prefix_hashes=HASHES, prefix_chunk_tokens=64.0, session=session
+    )
+
+
+def with_cache(s: ClusterSnapshot, matched: list[float], session_backend: int = -1) -> ClusterSnapshot:
+    arr = np.array(matched, dtype=np.float64)
+    return dataclasses.replace(
+        s, prefix_matched_tokens=arr, prefix_trust=np.ones_like(arr), session_backend=session_backend
+    )
+
+
+def policy(name: str, backends=TWO, **params: object):  # type: ignore[no-untyped-def]
+    return build_policy(name, params, PolicyContext(tuple(backends), seed=3))
+
+
+def test_a_cached_prefix_wins_between_equal_backends() -> None:
+    twins = (backend("a", profile(FAST, 400_000)), backend("b", profile(FAST, 400_000)))
+    for cached_on in (0, 1):
+        matched = [0.0, 0.0]
+        matched[cached_on] = 2000.0
+        decision = policy("balanced_minmax", twins).choose(prefixed(), with_cache(snap(twins), matched), BOTH)
+        assert decision.index == cached_on
+
+
+def test_a_hit_on_a_slow_backend_can_be_worth_less_than_a_miss_on_a_fast_one() -> None:
+    """The cost model prices the hit: a short cached head on the 4x slower backend loses to the fast one,
+    a cached prompt that leaves little to prefill wins there when the fast backend is busy."""
+    default = policy("balanced_minmax")
+    small_hit = with_cache(snap(TWO), [0.0, 256.0])
+    assert default.choose(prefixed(), small_hit, BOTH).index == 0
+    busy_fast = with_cache(snap(TWO, workload=[3.0, 0.0], prefill_pending=[60_000.0, 0.0]), [0.0, 2000.0])
+    without = with_cache(snap(TWO, workload=[3.0, 0.0], prefill_pending=[60_000.0, 0.0]), [0.0, 0.0])
+    assert default.choose(prefixed(), busy_fast, BOTH).index == 1
+    assert default.choose(prefixed(), without, BOTH).index == 0
+    # cache_aware follows the match whatever the speed
+    assert policy("cache_aware").choose(prefixed(), small_hit, BOTH).index == 0  # 256/2048 < 0.3
+    assert policy("cache_aware").choose(prefixed(), with_cache(snap(TWO), [0.0, 1024.0]), BOTH).index == 1
+
+
+def test_without_shared_prefixes_the_prefix_term_changes_nothing() -> None:
+    on, off = policy("balanced_minmax", seed=5), policy("balanced_minmax", seed=5, prefix=False)
+    rng = np.random.default_rng(1)
+    for k in range(200):
+        s = snap(TWO, workload=list(rng.uniform(0, 5, 2)), prefill_pending=list(rng.uniform(0, 9e3, 2)))
+        f = req(int(rng.integers(10, 3000)), int(rng.integers(5, 500)), f"r{k}")
+        a, b = on.choose(f, with_cache(s, [0.0, 0.0]), BOTH), off.choose(f, s, BOTH)
+        assert (a.index, a.workload_cost) == (b.index, b.workload_cost)
+
+
+def test_the_session_hint_is_soft() -> None:
+    twins = (backend("a", profile(FAST, 400_000)), backend("b", profile(FAST, 400_000)))
+    default = policy("balanced_minmax", twins)
+    near = snap(twins, workload=[0.0, 0.05])
+    assert default.choose(prefixed(session="s"), with_cache(near, [0.0, 0.0], 1), BOTH).index == 1
+    far = snap(twins, workload=[0.0, 30.0])
+    assert default.choose(prefixed(session="s"), with_cache(far, [0.0, 0.0], 1), BOTH).index == 0
+    no_hint = policy("balanced_minmax", twins, session_slack=0.0)
+    assert no_hint.choose(prefixed(session="s"), with_cache(near, [0.0, 0.0], 1), BOTH).index == 0
+
+
+def test_cache_aware_balances_past_its_thresholds() -> None:
+    ca = policy("cache_aware")
+    hit_on_busy = with_cache(snap(TWO, in_flight=[100, 10]), [2000.0, 0.0])
+    assert ca.choose(prefixed(), hit_on_busy, BOTH).index == 1  # 100 − 10 > 64 and 100 > 1.5 · 10
+    mild = with_cache(snap(TWO, in_flight=[60, 10]), [2000.0, 0.0])
+    assert ca.choose(prefixed(), mild, BOTH).index == 0
+    assert ca.choose(req(), snap(TWO, in_flight=[3, 1]), BOTH).index == 1  # no match: least loaded
+
+
+def test_prefix_scorer_weighs_queue_kv_and_prefix_as_llm_d() -> None:
+    ps = policy("prefix_scorer")
+    m = (
+        EngineMetrics(0.0, num_requests_waiting=4.0, kv_usage_frac=0.5),
+        EngineMetrics(0.0, num_requests_waiting=0.0, kv_usage_frac=0.1),
+    )
+    s = snap(TWO, metrics=m)
+    # queue: [0, 1]·2, kv: [0.5, 0.9]·2, prefix: [1, 0]·3 → [4.0, 3.8]
+    assert np.allclose(ps.scores(prefixed(), with_cache(s, [2048.0, 0.0]), BOTH), [4.0, 3.8])
+    assert ps.choose(prefixed(), with_cache(s, [2048.0, 0.0]), BOTH).index == 0
+    assert ps.choose(prefixed(), with_cache(s, [1024.0, 0.0]), BOTH).index == 1
+
+
+def test_session_hash_is_stable_and_moves_few_keys() -> None:
+    four = tuple(backend(n) for n in "abcd")
+    sh, sh3 = policy("session_hash", four), policy("session_hash", four)
+    idx4, idx3 = np.arange(4), np.array([0, 1, 2])
+    moved = 0
+    for k in range(400):
+        f = dataclasses.replace(req(rid=f"r{k}"), session=f"user-{k}")
+        first = sh.choose(f, snap(four), idx4).index
+        assert sh.choose(f, snap(four), idx4).index == first
+        if sh3.choose(f, snap(four), idx3).index != first:
+            moved += 1
+            assert first == 3  # only keys of the removed backend move
+    assert 50 < moved < 160
+
+
+def test_the_router_records_dispatches_and_counts_only_uncached_prefill() -> None:
+    clock = ManualClock()
+    twins = (backend("a", profile(FAST, 400_000)), backend("b", profile(SLOW, 400_000)))
+    ledger = Ledger(["a", "b"])
+    state = PrefixState(2, PrefixConfig())
+    router = Router(twins, policy("balanced_minmax", twins), ledger, clock, prefix=state)
+    first = router.route(prefixed("r1", session="u"))
+    assert first.prefill_tokens == 2048 and ledger.prefill_pending_tokens[first.backend_index] == 2048
+    clock.advance(1.0)
+    decision, seen = router.decide(prefixed("r2", session="u"))
+    assert seen.prefix_matched_tokens is not None
+    assert seen.prefix_matched_tokens[first.backend_index] == 2047  # capped at I − 1, as vLLM
+    assert seen.session_backend == first.backend_index
+    second = router.commit(prefixed("r2", session="u"), decision, seen)
+    assert second.backend_index == first.backend_index and second.prefill_tokens == 1
+    for t in (first, second):
+        router.release(t)
+    assert ledger.is_zero() and math.isclose(state.index.chunks(first.backend_index), 32)

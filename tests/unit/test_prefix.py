@@ -1,0 +1,141 @@
+"""The prefix package: chained hashes, the router's index, its trust correction, session affinity."""
+
+from __future__ import annotations
+
+import math
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from hetroute.prefix.hashing import (
+    ROUTER_CHUNK_CHARS,
+    segment_block_hashes,
+    text_chunk_hashes,
+    token_block_hashes,
+)
+from hetroute.prefix.index import PrefixIndex
+from hetroute.prefix.sessions import SessionTable
+from hetroute.prefix.trust import MIN_PREDICTED_TOKENS, TRUST_FLOOR, CacheTrust
+from hetroute.types import EngineMetrics
+
+
+def test_hashes_chain_over_full_blocks_only() -> None:
+    ids = list(range(40))
+    full = token_block_hashes(ids, 16)
+    assert len(full) == 2  # 40 tokens: two full blocks, the partial third is never cached
+    # Same first block, different second: the first hash agrees, the second does not.
+    other = token_block_hashes(ids[:16] + [999] * 16, 16)
+    assert other[0] == full[0] and other[1] != full[1]
+    # A block's hash depends on everything before it (chained): same second block, other first.
+    shifted = token_block_hashes([7] * 16 + ids[16:32], 16)
+    assert shifted[1] != full[1]
+
+
+def test_segment_hashes_see_only_the_token_sequence() -> None:
+    a = segment_block_hashes([(1, 100), (2, 60)], 16)
+    b = segment_block_hashes([(1, 100), (3, 60)], 16)
+    assert len(a) == 10
+    shared = 100 // 16  # blocks wholly inside segment 1
+    assert a[:shared] == b[:shared] and a[shared:] != b[shared:]
+    assert segment_block_hashes([(5, 15)], 16) == ()
+
+
+def test_text_chunks_share_exactly_the_common_prefix() -> None:
+    head = "s" * (3 * ROUTER_CHUNK_CHARS)
+    x = text_chunk_hashes(head + "x" * 600)
+    y = text_chunk_hashes(head + "y" * 600)
+    assert x[:3] == y[:3] and x[3] != y[3]
+    assert text_chunk_hashes("short") == ()
+
+
+def test_index_matches_the_longest_held_prefix_per_backend() -> None:
+    idx = PrefixIndex([math.nan] * 3)
+    chain = text_chunk_hashes("a" * ROUTER_CHUNK_CHARS * 8)
+    fork = chain[:3] + text_chunk_hashes("b" * ROUTER_CHUNK_CHARS * 8)[3:]
+    idx.insert(0, chain, now_s=0.0)
+    idx.insert(2, chain[:5], now_s=0.0)
+    assert idx.matched_chunks(chain, 1.0).tolist() == [8, 0, 5]
+    assert idx.matched_chunks(fork, 1.0).tolist() == [3, 0, 3]
+    assert idx.total_chunks() == 8
+
+
+def test_index_evicts_least_recent_and_a_prompts_tail_before_its_head() -> None:
+    idx = PrefixIndex([6.0])
+    old = text_chunk_hashes("o" * ROUTER_CHUNK_CHARS * 4)
+    new = text_chunk_hashes("n" * ROUTER_CHUNK_CHARS * 4)
+    idx.insert(0, old, now_s=0.0)
+    idx.insert(0, new, now_s=1.0)  # 8 chunks > capacity 6: two of the old prompt go, its tail first
+    assert idx.chunks(0) == 6
+    assert idx.matched_chunks(old, 2.0).tolist() == [2]
+    assert idx.matched_chunks(new, 2.0).tolist() == [4]
+
+
+def test_index_ttl_forgets_chunks_nobody_reused() -> None:
+    idx = PrefixIndex([math.nan, math.nan], ttl_s=10.0)
+    chain = text_chunk_hashes("t" * ROUTER_CHUNK_CHARS * 4)
+    idx.insert(0, chain, now_s=0.0)
+    idx.insert(1, chain[:2], now_s=0.0)
+    idx.insert(1, chain[:2], now_s=8.0)  # the shared head is reused on backend 1
+    assert idx.matched_chunks(chain, 5.0).tolist() == [4, 2]
+    assert idx.matched_chunks(chain, 15.0).tolist() == [0, 2]
+
+
+def test_index_global_bound_and_forgetting_a_backend() -> None:
+    idx = PrefixIndex([math.nan, math.nan], max_chunks=10)
+    for k in range(6):
+        idx.insert(k % 2, text_chunk_hashes(str(k) * ROUTER_CHUNK_CHARS * 3), now_s=float(k))
+    assert idx.total_chunks() <= 10
+    latest = text_chunk_hashes("5" * ROUTER_CHUNK_CHARS * 3)
+    assert idx.matched_chunks(latest, 6.0).tolist() == [0, 3]
+    idx.forget_backend(1)
+    assert idx.chunks(1) == 0 and idx.matched_chunks(latest, 6.0).tolist() == [0, 0]
+
+
+def test_index_memory_at_100k_distinct_prefixes_is_bounded() -> None:
+    """100,000 distinct 4-chunk prompts (1 k tokens each) over 8 backends: the figure docs/prefix.md quotes."""
+    rng = np.random.default_rng(0)
+    tracemalloc.start()
+    idx = PrefixIndex([math.nan] * 8)
+    for k in range(100_000):
+        chain = tuple(int(h) for h in rng.integers(1, 2**62, size=4))
+        idx.insert(k % 8, chain, now_s=k * 1e-3)
+    used, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert idx.total_chunks() == 400_000
+    assert used < 160 * 2**20, f"{used / 2**20:.0f} MiB for 400k chunks"
+    assert idx.memory_bytes() < 160 * 2**20
+
+
+def _metrics(hits: float) -> EngineMetrics:
+    return EngineMetrics(scraped_at_s=0.0, prefix_cache_hits_total=hits, prefix_cache_queries_total=hits * 2)
+
+
+def test_trust_falls_when_the_engine_hits_less_than_predicted_and_resets_on_restart() -> None:
+    trust = CacheTrust(2)
+    assert trust.scraped(0, _metrics(0.0)) is False  # baseline
+    for k in range(1, 20):
+        trust.predicted(0, 4 * MIN_PREDICTED_TOKENS)
+        trust.scraped(0, _metrics(k * MIN_PREDICTED_TOKENS))  # the engine hits a quarter
+    assert trust.trust[0] == pytest.approx(0.25, abs=0.01)
+    assert trust.trust[1] == 1.0  # never scraped: full trust
+    trust.predicted(0, MIN_PREDICTED_TOKENS / 4)
+    assert trust.scraped(0, _metrics(1.0)) is True  # the counter went down: a restart
+    trust.predicted(0, 10 * MIN_PREDICTED_TOKENS)
+    for _ in range(30):
+        trust.scraped(0, _metrics(1.0))  # same value, new object: no hits for a big prediction
+        trust.predicted(0, 10 * MIN_PREDICTED_TOKENS)
+    assert trust.trust[0] == pytest.approx(TRUST_FLOOR)
+    with pytest.raises(ValueError):
+        trust.trust[0] = 1.0  # read-only view
+
+
+def test_sessions_are_bounded_and_expire() -> None:
+    table = SessionTable(max_sessions=2, ttl_s=60.0)
+    table.record("a", 1, 0.0)
+    table.record("b", 0, 0.0)
+    table.record("a", 2, 1.0)
+    table.record("c", 1, 2.0)  # evicts b, the least recently used
+    assert (table.backend_of("a", 3.0), table.backend_of("b", 3.0), table.backend_of("c", 3.0)) == (2, -1, 1)
+    assert table.backend_of("a", 100.0) == -1 and table.backend_of("", 0.0) == -1
+    assert len(table) == 2
