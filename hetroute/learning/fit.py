@@ -170,7 +170,7 @@ def _rows(
     kinds: list[int] = []
     times: list[float] = []
     for obs in observations:
-        i = float(obs.input_tokens)
+        i = max(float(obs.input_tokens) - obs.cached_tokens, 0.0)  # only uncached tokens are prefilled
         pre = [max(prior_prefill_s(prior, obs.pending_tokens_ahead + i, i), _MIN_TARGET_S)]
         b0, length0 = running_point(obs, capacity_tokens, max_num_seqs)
         busy = _decode_columns(prior, b0, length0, _TTFT_DECODE_STEPS) if b0 > 0 else [0.0] * 5
@@ -290,7 +290,7 @@ def predict_e2e_s(
 ) -> float:
     """The model's e2e for ``obs`` under the load it met: TTFT_r + (O − 1)·TPOT_r (module docstring)."""
     p = [float(v) for v in params]
-    i = float(obs.input_tokens)
+    i = max(float(obs.input_tokens) - obs.cached_tokens, 0.0)
     ttft = p[0] * (obs.pending_tokens_ahead + i) + p[1] + p[2] * i + p[3]
     b0, length0 = running_point(obs, capacity_tokens, max_num_seqs)
     if b0 > 0:

@@ -36,6 +36,8 @@ class Observation:
     in_flight_at_end: float
     context_at_end: float
     engine_running: float | None = None
+    cached_tokens: float = 0.0
+    """Prompt tokens the router expected in the engine's prefix cache (not prefilled)."""
 
     @property
     def decode_s(self) -> float | None:

@@ -289,6 +289,7 @@ class Router:
                 in_flight_at_end=float(ledger.requests_in_flight[i]),
                 context_at_end=float(ledger.input_tokens_in_flight[i] + ledger.generated_tokens_in_flight[i]),
                 engine_running=metrics.num_requests_running if metrics is not None else None,
+                cached_tokens=float(ticket.input_tokens - ticket.prefill_tokens),
             )
         )
 
