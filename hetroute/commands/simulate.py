@@ -30,6 +30,7 @@ from hetroute.errors import ConfigError
 
 if TYPE_CHECKING:
     from hetroute.sim.admission_run import SimAdmission
+    from hetroute.sim.workload import Rate, SimRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,7 @@ def parse_policy_list(text: str) -> list[PolicySpec]:
 
 
 def add_parser(subparsers: Any) -> None:
+    from hetroute.sim.prefix_workloads import MOONCAKE_KIND, PREFIX_WORKLOAD_KINDS
     from hetroute.sim.workload import WORKLOAD_KINDS
 
     p = subparsers.add_parser(
@@ -107,7 +109,18 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--workload",
         default="sharegpt",
-        help=f"one of {', '.join(WORKLOAD_KINDS)}, or a trace file (.csv or .jsonl). Default: sharegpt",
+        help=(
+            f"lengths only: one of {', '.join(WORKLOAD_KINDS)}, or a trace file (.csv or .jsonl); "
+            f"with prompt prefixes shared as in real traffic: one of {', '.join(PREFIX_WORKLOAD_KINDS)}, "
+            f"or {MOONCAKE_KIND} with --trace (a Mooncake JSONL trace replayed with its block sharing; "
+            "the same file given as --workload replays its lengths only). Default: sharegpt"
+        ),
+    )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        metavar="PATH",
+        help=f"the Mooncake trace file (.jsonl with hash_ids) for --workload {MOONCAKE_KIND}",
     )
     p.add_argument(
         "--policies", default="round_robin,weighted_round_robin,default", help="comma-separated policy specs"
@@ -237,6 +250,68 @@ def _admission(source: str | None) -> SimAdmission | None:
     return SimAdmission(parse_admission(data["admission"]))
 
 
+def _workload_source(args: argparse.Namespace) -> str:
+    """What ``--workload`` names: "synthetic", "prefix", "mooncake" or "trace" (a file); checks --trace."""
+    from hetroute.sim.prefix_workloads import MOONCAKE_KIND, PREFIX_WORKLOAD_KINDS
+    from hetroute.sim.workload import WORKLOAD_KINDS
+
+    if args.workload == MOONCAKE_KIND:
+        if args.trace is None:
+            raise ConfigError("--trace", f"--workload {MOONCAKE_KIND} needs --trace PATH (the trace file)")
+        if not args.trace.is_file():
+            raise ConfigError("--trace", f"not a file: {args.trace}")
+        return "mooncake"
+    if args.trace is not None:
+        raise ConfigError("--trace", f"only --workload {MOONCAKE_KIND} takes a trace file")
+    if args.workload in WORKLOAD_KINDS:
+        return "synthetic"
+    if args.workload in PREFIX_WORKLOAD_KINDS:
+        return "prefix"
+    if not Path(args.workload).is_file():
+        kinds = ", ".join((*WORKLOAD_KINDS, *PREFIX_WORKLOAD_KINDS, MOONCAKE_KIND))
+        raise ConfigError("--workload", f"not a workload kind ({kinds}) nor a file: {args.workload}")
+    return "trace"
+
+
+def _build_workload(args: argparse.Namespace, rate: Rate, max_len: int) -> list[SimRequest]:
+    """The workload of one rate (the same requests at every rate; only arrival times change)."""
+    from hetroute.sim.mooncake_trace import load_mooncake_trace
+    from hetroute.sim.prefix_workloads import generate_prefix_workload
+    from hetroute.sim.workload import generate_workload, load_trace
+
+    source = _workload_source(args)
+    if source == "trace":
+        return load_trace(
+            args.workload,
+            n=args.requests,
+            rate=rate,
+            seed=args.seed,
+            max_model_len=max_len,
+            send_max_tokens=args.send_max_tokens,
+        )
+    if source == "mooncake":
+        return load_mooncake_trace(
+            args.trace,
+            n=args.requests,
+            rate=rate,
+            seed=args.seed,
+            max_model_len=max_len,
+            arrival_cv=args.arrival_cv,
+            send_max_tokens=args.send_max_tokens,
+        )
+    numeric_rate = math.inf if rate == "trace" else rate
+    generate = generate_prefix_workload if source == "prefix" else generate_workload
+    return generate(
+        args.workload,
+        args.requests,
+        numeric_rate,
+        args.seed,
+        max_len,
+        arrival_cv=args.arrival_cv,
+        send_max_tokens=args.send_max_tokens,
+    )
+
+
 def _run(args: argparse.Namespace) -> int:
     from hetroute.learning.settings import LearningConfig
     from hetroute.policies import resolve_policy_name
@@ -251,14 +326,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     from hetroute.sim.scenarios import get_scenario
     from hetroute.sim.simulator import GATEWAY_SCRAPE_INTERVAL_S, run_simulation
-    from hetroute.sim.workload import (
-        WORKLOAD_KINDS,
-        SimRequest,
-        generate_workload,
-        load_trace,
-        parse_rate,
-        rate_label,
-    )
+    from hetroute.sim.workload import parse_rate, rate_label
 
     if args.list_scenarios:
         return _list_scenarios()
@@ -272,11 +340,7 @@ def _run(args: argparse.Namespace) -> int:
     fleet = build_fleet(cluster)
     if args.blind:
         fleet = blind_fleet(fleet)
-    is_trace = args.workload not in WORKLOAD_KINDS
-    if is_trace and not Path(args.workload).is_file():
-        raise ConfigError(
-            "--workload", f"not a workload kind ({', '.join(WORKLOAD_KINDS)}) nor a file: {args.workload}"
-        )
+    is_trace = _workload_source(args) in ("trace", "mooncake")
     rates = [
         parse_rate(r)
         for r in (args.rates or ("trace" if is_trace else "8,16,24,inf")).split(",")
@@ -285,7 +349,7 @@ def _run(args: argparse.Namespace) -> int:
     if not rates:
         raise ConfigError("--rates", "no rate given")
     if not is_trace and "trace" in rates:
-        raise ConfigError("--rates", "'trace' needs a trace file as --workload")
+        raise ConfigError("--rates", "'trace' needs a trace file as --workload or --workload mooncake")
     specs = parse_policy_list(args.policies) + [parse_policy_spec(s) for s in args.policy]
     if not specs:
         raise ConfigError("--policies", "no policy given")
@@ -299,26 +363,7 @@ def _run(args: argparse.Namespace) -> int:
     runs: list[MatrixRun] = []
     summary: dict[str, Any] = {}
     for rate in rates:
-        workload: list[SimRequest]
-        if is_trace:
-            workload = load_trace(
-                args.workload,
-                n=args.requests,
-                rate=rate,
-                seed=args.seed,
-                max_model_len=max_len,
-                send_max_tokens=args.send_max_tokens,
-            )
-        else:
-            workload = generate_workload(
-                args.workload,
-                args.requests,
-                math.inf if rate == "trace" else rate,
-                args.seed,
-                max_len,
-                arrival_cv=args.arrival_cv,
-                send_max_tokens=args.send_max_tokens,
-            )
+        workload = _build_workload(args, rate, max_len)
         summary = workload_summary(args.workload, workload)
         for spec in specs:
             result = run_simulation(

@@ -1,8 +1,9 @@
 """Workloads with shared prompt prefixes (hetroute/sim/prefix_workloads.py, prefix_corpus.py,
-mooncake_trace.py)."""
+mooncake_trace.py) and their `hetroute simulate` wiring."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections import Counter, defaultdict
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hetroute.commands import simulate as simulate_cmd
 from hetroute.errors import ConfigError
 from hetroute.prefix.hashing import segment_block_hashes
 from hetroute.sim.mooncake_trace import load_mooncake_trace, mooncake_segments
@@ -255,3 +257,39 @@ def test_mooncake_cap_retiming_and_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_mooncake_trace(bad)
     assert err.value.path.endswith("bad.jsonl:2")
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    simulate_cmd.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["simulate", *argv])
+    code: int = args.func(args)
+    return code
+
+
+def test_cli_runs_the_chat_workload(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json = tmp_path / "chat.json"
+    argv = ["--scenario", "paper-a", "--workload", "chat", "--requests", "200", "--rates", "8"]
+    assert _cli([*argv, "--json", str(out_json)]) == 0
+    assert "workload chat: 200 requests" in capsys.readouterr().out
+    doc = json.loads(out_json.read_text())
+    assert doc["workload"]["kind"] == "chat" and doc["workload"]["requests"] == 200
+    assert all(run["completed"] == 200 for run in doc["runs"])
+
+
+def test_cli_replays_a_mooncake_trace_and_checks_its_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = _write_trace(tmp_path / "t.jsonl", TRACE_ROWS)
+    out_json = tmp_path / "m.json"
+    argv = ["--scenario", "paper-a", "--policies", "round_robin", "--json", str(out_json)]
+    assert _cli([*argv, "--workload", "mooncake", "--trace", str(trace)]) == 0
+    doc = json.loads(out_json.read_text())
+    assert [r["rate"] for r in doc["runs"]] == ["trace"] and doc["runs"][0]["completed"] == 4
+    capsys.readouterr()
+    assert _cli([*argv, "--workload", "mooncake"]) == 2
+    assert "--trace" in capsys.readouterr().err
+    assert _cli([*argv, "--workload", "chat", "--trace", str(trace)]) == 2
+    assert _cli([*argv, "--workload", "chat", "--rates", "trace"]) == 2
+    assert _cli([*argv, "--workload", "nope"]) == 2
+    assert "mooncake" in capsys.readouterr().err
