@@ -18,7 +18,6 @@ A ``:``-segment without ``=`` continues the previous value, so ``weights=4:1`` i
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -30,7 +29,6 @@ from hetroute.errors import ConfigError
 
 if TYPE_CHECKING:
     from hetroute.sim.admission_run import SimAdmission
-    from hetroute.sim.workload import Rate, SimRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +89,8 @@ def parse_policy_list(text: str) -> list[PolicySpec]:
 
 
 def add_parser(subparsers: Any) -> None:
-    from hetroute.sim.prefix_workloads import MOONCAKE_KIND, PREFIX_WORKLOAD_KINDS
-    from hetroute.sim.workload import WORKLOAD_KINDS
+    from hetroute.sim.named_workloads import WORKLOAD_HELP
+    from hetroute.sim.prefix_workloads import MOONCAKE_KIND
 
     p = subparsers.add_parser(
         "simulate",
@@ -106,16 +104,7 @@ def add_parser(subparsers: Any) -> None:
     where.add_argument("--scenario", help="a built-in cluster (see --list-scenarios)")
     where.add_argument("--cluster", type=Path, help="a cluster file (YAML; see config/simulate/)")
     p.add_argument("--list-scenarios", action="store_true", help="list the built-in clusters and exit")
-    p.add_argument(
-        "--workload",
-        default="sharegpt",
-        help=(
-            f"lengths only: one of {', '.join(WORKLOAD_KINDS)}, or a trace file (.csv or .jsonl); "
-            f"with prompt prefixes shared as in real traffic: one of {', '.join(PREFIX_WORKLOAD_KINDS)}, "
-            f"or {MOONCAKE_KIND} with --trace (a Mooncake JSONL trace replayed with its block sharing; "
-            "the same file given as --workload replays its lengths only). Default: sharegpt"
-        ),
-    )
+    p.add_argument("--workload", default="sharegpt", help=WORKLOAD_HELP)
     p.add_argument(
         "--trace",
         type=Path,
@@ -250,72 +239,11 @@ def _admission(source: str | None) -> SimAdmission | None:
     return SimAdmission(parse_admission(data["admission"]))
 
 
-def _workload_source(args: argparse.Namespace) -> str:
-    """What ``--workload`` names: "synthetic", "prefix", "mooncake" or "trace" (a file); checks --trace."""
-    from hetroute.sim.prefix_workloads import MOONCAKE_KIND, PREFIX_WORKLOAD_KINDS
-    from hetroute.sim.workload import WORKLOAD_KINDS
-
-    if args.workload == MOONCAKE_KIND:
-        if args.trace is None:
-            raise ConfigError("--trace", f"--workload {MOONCAKE_KIND} needs --trace PATH (the trace file)")
-        if not args.trace.is_file():
-            raise ConfigError("--trace", f"not a file: {args.trace}")
-        return "mooncake"
-    if args.trace is not None:
-        raise ConfigError("--trace", f"only --workload {MOONCAKE_KIND} takes a trace file")
-    if args.workload in WORKLOAD_KINDS:
-        return "synthetic"
-    if args.workload in PREFIX_WORKLOAD_KINDS:
-        return "prefix"
-    if not Path(args.workload).is_file():
-        kinds = ", ".join((*WORKLOAD_KINDS, *PREFIX_WORKLOAD_KINDS, MOONCAKE_KIND))
-        raise ConfigError("--workload", f"not a workload kind ({kinds}) nor a file: {args.workload}")
-    return "trace"
-
-
-def _build_workload(args: argparse.Namespace, rate: Rate, max_len: int) -> list[SimRequest]:
-    """The workload of one rate (the same requests at every rate; only arrival times change)."""
-    from hetroute.sim.mooncake_trace import load_mooncake_trace
-    from hetroute.sim.prefix_workloads import generate_prefix_workload
-    from hetroute.sim.workload import generate_workload, load_trace
-
-    source = _workload_source(args)
-    if source == "trace":
-        return load_trace(
-            args.workload,
-            n=args.requests,
-            rate=rate,
-            seed=args.seed,
-            max_model_len=max_len,
-            send_max_tokens=args.send_max_tokens,
-        )
-    if source == "mooncake":
-        return load_mooncake_trace(
-            args.trace,
-            n=args.requests,
-            rate=rate,
-            seed=args.seed,
-            max_model_len=max_len,
-            arrival_cv=args.arrival_cv,
-            send_max_tokens=args.send_max_tokens,
-        )
-    numeric_rate = math.inf if rate == "trace" else rate
-    generate = generate_prefix_workload if source == "prefix" else generate_workload
-    return generate(
-        args.workload,
-        args.requests,
-        numeric_rate,
-        args.seed,
-        max_len,
-        arrival_cv=args.arrival_cv,
-        send_max_tokens=args.send_max_tokens,
-    )
-
-
 def _run(args: argparse.Namespace) -> int:
     from hetroute.learning.settings import LearningConfig
     from hetroute.policies import resolve_policy_name
     from hetroute.sim.cluster_file import blind_fleet, build_fleet, load_cluster_file
+    from hetroute.sim.named_workloads import build_named_workload, workload_source
     from hetroute.sim.report import (
         MatrixRun,
         build_document,
@@ -340,7 +268,7 @@ def _run(args: argparse.Namespace) -> int:
     fleet = build_fleet(cluster)
     if args.blind:
         fleet = blind_fleet(fleet)
-    is_trace = _workload_source(args) in ("trace", "mooncake")
+    is_trace = workload_source(args.workload, args.trace) in ("trace", "mooncake")
     rates = [
         parse_rate(r)
         for r in (args.rates or ("trace" if is_trace else "8,16,24,inf")).split(",")
@@ -363,7 +291,16 @@ def _run(args: argparse.Namespace) -> int:
     runs: list[MatrixRun] = []
     summary: dict[str, Any] = {}
     for rate in rates:
-        workload = _build_workload(args, rate, max_len)
+        workload = build_named_workload(
+            args.workload,
+            args.trace,
+            n=args.requests,
+            rate=rate,
+            seed=args.seed,
+            max_model_len=max_len,
+            arrival_cv=args.arrival_cv,
+            send_max_tokens=args.send_max_tokens,
+        )
         summary = workload_summary(args.workload, workload)
         for spec in specs:
             result = run_simulation(
