@@ -18,7 +18,6 @@ A ``:``-segment without ``=`` continues the previous value, so ``weights=4:1`` i
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -90,7 +89,8 @@ def parse_policy_list(text: str) -> list[PolicySpec]:
 
 
 def add_parser(subparsers: Any) -> None:
-    from hetroute.sim.workload import WORKLOAD_KINDS
+    from hetroute.sim.named_workloads import WORKLOAD_HELP
+    from hetroute.sim.prefix_workloads import MOONCAKE_KIND
 
     p = subparsers.add_parser(
         "simulate",
@@ -104,10 +104,12 @@ def add_parser(subparsers: Any) -> None:
     where.add_argument("--scenario", help="a built-in cluster (see --list-scenarios)")
     where.add_argument("--cluster", type=Path, help="a cluster file (YAML; see config/simulate/)")
     p.add_argument("--list-scenarios", action="store_true", help="list the built-in clusters and exit")
+    p.add_argument("--workload", default="sharegpt", help=WORKLOAD_HELP)
     p.add_argument(
-        "--workload",
-        default="sharegpt",
-        help=f"one of {', '.join(WORKLOAD_KINDS)}, or a trace file (.csv or .jsonl). Default: sharegpt",
+        "--trace",
+        type=Path,
+        metavar="PATH",
+        help=f"the Mooncake trace file (.jsonl with hash_ids) for --workload {MOONCAKE_KIND}",
     )
     p.add_argument(
         "--policies", default="round_robin,weighted_round_robin,default", help="comma-separated policy specs"
@@ -241,6 +243,7 @@ def _run(args: argparse.Namespace) -> int:
     from hetroute.learning.settings import LearningConfig
     from hetroute.policies import resolve_policy_name
     from hetroute.sim.cluster_file import blind_fleet, build_fleet, load_cluster_file
+    from hetroute.sim.named_workloads import build_named_workload, workload_source
     from hetroute.sim.report import (
         MatrixRun,
         build_document,
@@ -251,14 +254,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     from hetroute.sim.scenarios import get_scenario
     from hetroute.sim.simulator import GATEWAY_SCRAPE_INTERVAL_S, run_simulation
-    from hetroute.sim.workload import (
-        WORKLOAD_KINDS,
-        SimRequest,
-        generate_workload,
-        load_trace,
-        parse_rate,
-        rate_label,
-    )
+    from hetroute.sim.workload import parse_rate, rate_label
 
     if args.list_scenarios:
         return _list_scenarios()
@@ -272,11 +268,7 @@ def _run(args: argparse.Namespace) -> int:
     fleet = build_fleet(cluster)
     if args.blind:
         fleet = blind_fleet(fleet)
-    is_trace = args.workload not in WORKLOAD_KINDS
-    if is_trace and not Path(args.workload).is_file():
-        raise ConfigError(
-            "--workload", f"not a workload kind ({', '.join(WORKLOAD_KINDS)}) nor a file: {args.workload}"
-        )
+    is_trace = workload_source(args.workload, args.trace) in ("trace", "mooncake")
     rates = [
         parse_rate(r)
         for r in (args.rates or ("trace" if is_trace else "8,16,24,inf")).split(",")
@@ -285,7 +277,7 @@ def _run(args: argparse.Namespace) -> int:
     if not rates:
         raise ConfigError("--rates", "no rate given")
     if not is_trace and "trace" in rates:
-        raise ConfigError("--rates", "'trace' needs a trace file as --workload")
+        raise ConfigError("--rates", "'trace' needs a trace file as --workload or --workload mooncake")
     specs = parse_policy_list(args.policies) + [parse_policy_spec(s) for s in args.policy]
     if not specs:
         raise ConfigError("--policies", "no policy given")
@@ -299,26 +291,16 @@ def _run(args: argparse.Namespace) -> int:
     runs: list[MatrixRun] = []
     summary: dict[str, Any] = {}
     for rate in rates:
-        workload: list[SimRequest]
-        if is_trace:
-            workload = load_trace(
-                args.workload,
-                n=args.requests,
-                rate=rate,
-                seed=args.seed,
-                max_model_len=max_len,
-                send_max_tokens=args.send_max_tokens,
-            )
-        else:
-            workload = generate_workload(
-                args.workload,
-                args.requests,
-                math.inf if rate == "trace" else rate,
-                args.seed,
-                max_len,
-                arrival_cv=args.arrival_cv,
-                send_max_tokens=args.send_max_tokens,
-            )
+        workload = build_named_workload(
+            args.workload,
+            args.trace,
+            n=args.requests,
+            rate=rate,
+            seed=args.seed,
+            max_model_len=max_len,
+            arrival_cv=args.arrival_cv,
+            send_max_tokens=args.send_max_tokens,
+        )
         summary = workload_summary(args.workload, workload)
         for spec in specs:
             result = run_simulation(
