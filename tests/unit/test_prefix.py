@@ -93,7 +93,7 @@ def test_index_global_bound_and_forgetting_a_backend() -> None:
 
 
 def test_index_memory_at_100k_distinct_prefixes_is_bounded() -> None:
-    """100,000 distinct 4-chunk prompts (1 k tokens each) over 8 backends: the figure docs/prefix.md quotes."""
+    """100,000 distinct 4-chunk prompts over 8 backends: the figure docs/prefix.md quotes."""
     rng = np.random.default_rng(0)
     tracemalloc.start()
     idx = PrefixIndex([math.nan] * 8)
