@@ -128,6 +128,8 @@ def build_app(
     )
     if learner is not None:
         telemetry.bind_learner(names, learner)
+    if router.prefix is not None:
+        telemetry.bind_prefix(names, router.prefix)
     estimator = TokenEstimator(cfg.tokens.initial_chars_per_token, cfg.tokens.learn_rate)
     t = cfg.timeouts
     forwarder = Forwarder(

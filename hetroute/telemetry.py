@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from hetroute.learning.live import LiveModels
+from hetroute.prefix.state import PrefixState
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -146,6 +147,40 @@ class Telemetry:
             error.labels(name).set_function(_error)
             samples.labels(name).set_function(_samples)
             drifts.labels(name).set_function(_drifts)
+
+    def bind_prefix(self, names: Sequence[str], prefix: PrefixState) -> None:
+        """Export the prefix index, computed on scrape: ``hetroute_prefix_index_chunks`` (chunks assumed
+        cached, per backend), ``hetroute_prefix_trust`` (the hit-counter correction, per backend),
+        ``hetroute_prefix_index_bytes`` (approximate memory) and ``hetroute_prefix_expected_hit_ratio``
+        (Σ cached tokens expected at dispatch / Σ prompt tokens dispatched)."""
+        r = self.registry
+        chunks = Gauge(
+            "hetroute_prefix_index_chunks", "Prefix index: chunks assumed cached.", ["backend"], registry=r
+        )
+        trust = Gauge(
+            "hetroute_prefix_trust",
+            "Prefix index: engine hits / router-predicted hits (EWMA, 0.05..1).",
+            ["backend"],
+            registry=r,
+        )
+        for i, name in enumerate(names):
+
+            def _chunks(i: int = i) -> float:
+                return float(prefix.index.chunks(i))
+
+            def _trust(i: int = i) -> float:
+                return float(prefix.trust.trust[i])
+
+            chunks.labels(name).set_function(_chunks)
+            trust.labels(name).set_function(_trust)
+        Gauge(
+            "hetroute_prefix_index_bytes", "Prefix index: approximate memory in bytes.", registry=r
+        ).set_function(lambda: float(prefix.index.memory_bytes()))
+        Gauge(
+            "hetroute_prefix_expected_hit_ratio",
+            "Prefix index: cached prompt tokens expected at dispatch / prompt tokens dispatched.",
+            registry=r,
+        ).set_function(lambda: prefix.expected_hit_tokens_total / max(prefix.input_tokens_total, 1.0))
 
     def on_decision(self, policy: str, backend: str, elapsed_s: float) -> None:
         self._child(self.decision, (policy,)).observe(elapsed_s)

@@ -29,7 +29,15 @@ from hetroute.types import EngineMetrics, FloatArray, RequestFeatures
 class PrefixState:
     """The router's cache-locality state for ``backends`` backends (see module docstring)."""
 
-    __slots__ = ("config", "index", "trust", "sessions", "_caps")
+    __slots__ = (
+        "config",
+        "index",
+        "trust",
+        "sessions",
+        "_caps",
+        "input_tokens_total",
+        "expected_hit_tokens_total",
+    )
 
     def __init__(self, backends: int, config: PrefixConfig) -> None:
         self.config = config
@@ -37,6 +45,10 @@ class PrefixState:
         self.trust = CacheTrust(backends)
         self.sessions = SessionTable(config.max_sessions, config.session_ttl_s)
         self._caps: tuple[float, ...] = ()
+        self.input_tokens_total = 0.0
+        """Σ prompt tokens of dispatched requests (the denominator of the router's hit-rate estimate)."""
+        self.expected_hit_tokens_total = 0.0
+        """Σ cached tokens the router expected at dispatch (trust-weighted)."""
 
     def set_capacities(self, kv_capacity_tokens: FloatArray) -> None:
         """Bound each backend's index to its KV capacity (tokens; NaN = unknown → the global bound)."""
@@ -73,6 +85,7 @@ class PrefixState:
     ) -> float:
         """Record the dispatch; returns the cached tokens expected on ``backend`` (trust-weighted)."""
         self.sessions.record(features.session, backend, now_s)
+        self.input_tokens_total += features.input_tokens
         if not features.prefix_hashes:
             return 0.0
         expected = 0.0
@@ -81,4 +94,5 @@ class PrefixState:
             self.trust.predicted(backend, raw)
             expected = raw * float(self.trust.trust[backend])
         self.index.insert(backend, features.prefix_hashes, now_s)
+        self.expected_hit_tokens_total += expected
         return expected
