@@ -1,4 +1,4 @@
-"""deploy/kubernetes/: checked without a cluster or a network.
+"""deploy/kubernetes/ and deploy/compose/: checked without a cluster, a Docker engine or a network.
 
 Kubernetes: every manifest (and the ConfigMap and Secret that kustomization.yaml generates) validates
 against the Kubernetes JSON schemas that the ``kubernetes-validate`` package bundles (strict: unknown
@@ -7,6 +7,9 @@ CRD outside those schemas, validates against tests/data/servicemonitor-v1.schema
 config loads with hetroute's own loader and lists every vLLM pod by its stable DNS name; the probes
 and the scrape path are routes of the app built from that config, and answer over HTTP with emulated
 backends; the command parses with the real CLI and its paths are the mounted volumes.
+
+Compose: the two-replica variant runs the same emulators and router config as docker-compose.yml,
+behind nginx, whose config is parsed and checked for round robin, keep-alive and SSE settings.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import socket
 import subprocess
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,6 +41,7 @@ from tests.conftest import EmulateFn
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy/kubernetes"
+COMPOSE_DIR = REPO / "deploy/compose"
 KUSTOMIZATION: dict[str, Any] = yaml.safe_load((K8S / "kustomization.yaml").read_text(encoding="utf-8"))
 NOT_RESOURCES = {"kustomization.yaml", "router.yaml"}  # router.yaml becomes the generated ConfigMap
 OLDEST_K8S = (1, 27)  # unhealthyPodEvictionPolicy (PodDisruptionBudget) is beta and on from 1.27
@@ -337,3 +342,194 @@ def test_vllm_statefulset_behind_a_headless_service() -> None:
     assert vllm["resources"]["limits"]["nvidia.com/gpu"] >= 1
     router_labels = DEPLOYMENT["spec"]["template"]["metadata"]["labels"]
     assert not headless["spec"]["selector"].items() <= router_labels.items()
+
+
+# ---------------------------------------------------------------- compose: two routers behind nginx
+
+REPLICAS: dict[str, Any] = yaml.safe_load(
+    (COMPOSE_DIR / "docker-compose.replicas.yml").read_text(encoding="utf-8")
+)
+SERVICES: dict[str, Any] = REPLICAS["services"]
+BASE: dict[str, Any] = yaml.safe_load((REPO / "docker-compose.yml").read_text(encoding="utf-8"))["services"]
+EMULATORS = ("emu-h100", "emu-a100", "emu-l4-tgi")
+ROUTERS = ("router-1", "router-2")
+
+
+def _compose_mount(service: str, target: str) -> Path:
+    for volume in SERVICES[service].get("volumes", []):
+        source, _, rest = volume.partition(":")
+        if rest.split(":")[0] == target:
+            return (COMPOSE_DIR / source).resolve()  # relative to the compose file's folder
+    raise AssertionError(f"{service} does not mount {target}")
+
+
+def _container_port(service: str) -> int:
+    svc = SERVICES[service]
+    ports = svc.get("expose") or [p.split(":")[-1] for p in svc.get("ports", [])]
+    return int(ports[0])
+
+
+def test_replicas_variant_reuses_the_emulators_and_the_router_config() -> None:
+    assert set(SERVICES) == {*EMULATORS, *ROUTERS, "nginx"}
+    for name in EMULATORS:  # exactly docker-compose.yml's CPU engines, built from the same image
+        for key in ("command", "expose", "healthcheck", "image"):
+            assert SERVICES[name][key] == BASE[name][key], (name, key)
+    for name in (*EMULATORS, *ROUTERS):
+        build = SERVICES[name]["build"]
+        assert build["dockerfile"] == BASE["router"]["build"]["dockerfile"]
+        assert (COMPOSE_DIR / build["context"]).resolve() == REPO  # relative to this compose file
+    parser = build_parser()
+    for name, svc in SERVICES.items():
+        command = svc.get("command")
+        if command and command[0] == "hetroute":
+            assert callable(parser.parse_args(command[1:]).func), name
+    for router in ROUTERS:
+        svc = SERVICES[router]
+        assert svc["command"] == BASE["router"]["command"]
+        target = svc["command"][svc["command"].index("--config") + 1]
+        assert _compose_mount(router, target) == REPO / "config/compose/router.yaml"
+        cfg = load_config(_compose_mount(router, target), env={})
+        assert cfg.server.port == _container_port(router) and cfg.server.host == "0.0.0.0"
+        assert {urlsplit(b.url).hostname for b in cfg.backends} == set(EMULATORS)
+        assert all(svc["depends_on"][e] == {"condition": "service_healthy"} for e in EMULATORS)
+        assert not svc.get("ports")  # reached through nginx only
+        probe = " ".join(svc["healthcheck"]["test"])
+        assert f"127.0.0.1:{_container_port(router)}/ready" in probe
+    assert "/ready" in _get_routes(build_app(cfg, registry=CollectorRegistry()))
+
+
+def test_nginx_service_is_published_and_waits_for_both_routers() -> None:
+    nginx = SERVICES["nginx"]
+    assert nginx["ports"] == ["8000:8000"]
+    assert all(nginx["depends_on"][r] == {"condition": "service_healthy"} for r in ROUTERS)
+    assert _compose_mount("nginx", "/etc/nginx/nginx.conf") == COMPOSE_DIR / "nginx.conf"
+    image, _, tag = nginx["image"].partition(":")
+    version = tuple(int(x) for x in re.findall(r"\d+", tag)[:3])
+    assert image == "nginx" and version >= (1, 27, 3)  # `resolve` on upstream servers
+    probe = " ".join(nginx["healthcheck"]["test"])
+    locations = {d.args[-1] for d in _server(_nginx())["location"]}
+    assert any(f"127.0.0.1:{_container_port('nginx')}{loc}" in probe for loc in locations)
+
+
+@dataclass
+class Directive:
+    name: str
+    args: list[str]
+    block: dict[str, list[Directive]] | None
+
+
+def _parse_nginx(text: str) -> dict[str, list[Directive]]:
+    """nginx.conf as {directive name: [Directive]} per block (comments dropped, quotes removed)."""
+    text = "\n".join(re.sub(r"(^|\s)#.*$", "", line) for line in text.splitlines())
+    tokens = re.findall(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|[{};]|[^\s{};]+', text)
+    pos = 0
+
+    def block(nested: bool) -> dict[str, list[Directive]]:
+        nonlocal pos
+        out: dict[str, list[Directive]] = {}
+        words: list[str] = []
+        while pos < len(tokens):
+            tok = tokens[pos]
+            pos += 1
+            if tok == ";":
+                out.setdefault(words[0], []).append(Directive(words[0], words[1:], None))
+                words = []
+            elif tok == "{":
+                inner = block(nested=True)
+                out.setdefault(words[0], []).append(Directive(words[0], words[1:], inner))
+                words = []
+            elif tok == "}":
+                assert nested and not words, f"unbalanced braces or unterminated directive {words}"
+                return out
+            else:
+                words.append(tok[1:-1] if tok[0] in "\"'" else tok)
+        assert not nested and not words, f"unbalanced braces or unterminated directive {words}"
+        return out
+
+    return block(nested=False)
+
+
+def _nginx() -> dict[str, list[Directive]]:
+    return _parse_nginx((COMPOSE_DIR / "nginx.conf").read_text(encoding="utf-8"))
+
+
+def _inner(d: Directive) -> dict[str, list[Directive]]:
+    assert d.block is not None, d.name
+    return d.block
+
+
+def _http(conf: dict[str, list[Directive]]) -> dict[str, list[Directive]]:
+    (http,) = conf["http"]
+    return _inner(http)
+
+
+def _server(conf: dict[str, list[Directive]]) -> dict[str, list[Directive]]:
+    (server,) = _http(conf)["server"]
+    return _inner(server)
+
+
+def _value(block: dict[str, list[Directive]], name: str) -> list[str]:
+    (d,) = block[name]
+    return d.args
+
+
+def _seconds(value: str) -> float:
+    match = re.fullmatch(r"(\d+)(ms|s|m|h|d)?", value)
+    assert match, f"not an nginx time: {value!r}"
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+    return int(match[1]) * units[match[2] or "s"]
+
+
+def _bytes(value: str) -> int:
+    match = re.fullmatch(r"(\d+)([kKmMgG])?", value)
+    assert match, f"not an nginx size: {value!r}"
+    return int(match[1]) * {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}[(match[2] or "").lower()]
+
+
+def test_nginx_round_robins_over_both_routers_with_keepalive() -> None:
+    conf = _nginx()
+    assert "events" in conf
+    http = _http(conf)
+    (upstream,) = http["upstream"]
+    up = _inner(upstream)
+    servers = [d.args for d in up["server"]]
+    assert {s[0] for s in servers} == {f"{r}:{_container_port(r)}" for r in ROUTERS}
+    assert not {"least_conn", "ip_hash", "hash", "random", "least_time"} & set(up)  # round robin
+    # re-resolved names need a shared-memory zone and a resolver (Docker's embedded DNS)
+    assert all("resolve" in s for s in servers) and "zone" in up
+    assert _value(http, "resolver")[0] == "127.0.0.11"
+    # idle upstream connections: kept, and closed by nginx before the router closes them
+    cfg = load_config(REPO / "config/compose/router.yaml", env={})
+    assert int(_value(up, "keepalive")[0]) > 0
+    assert _seconds(_value(up, "keepalive_timeout")[0]) < cfg.server.keepalive_idle_s
+    (listen,) = _server(conf)["listen"]
+    assert listen.args == [str(_container_port("nginx"))]
+
+
+def test_nginx_proxies_sse_unbuffered_over_http11_with_long_timeouts() -> None:
+    conf = _nginx()
+    server = _server(conf)
+    (root,) = [d for d in server["location"] if d.args == ["/"]]
+    loc = _inner(root)
+    (upstream,) = _http(conf)["upstream"]
+    assert _value(loc, "proxy_pass") == [f"http://{upstream.args[0]}"]
+    assert _value(loc, "proxy_http_version") == ["1.1"]
+    assert ["Connection", ""] in [d.args for d in loc["proxy_set_header"]]
+    assert _value(loc, "proxy_buffering") == ["off"]
+    cfg = load_config(REPO / "config/compose/router.yaml", env={})
+    read = _seconds(_value(loc, "proxy_read_timeout")[0])
+    assert read > cfg.timeouts.request_s and read > cfg.timeouts.first_byte_s and read > cfg.timeouts.idle_s
+    assert _bytes(_value(server, "client_max_body_size")[0]) >= cfg.server.max_body_bytes
+    # a request that reached a router is never sent to the other one (no duplicate generation)
+    retry = _value(loc, "proxy_next_upstream")
+    assert "non_idempotent" not in retry and not any(r.startswith("http_") for r in retry)
+
+
+def test_nginx_parser_reads_quotes_comments_and_nesting() -> None:
+    conf = _parse_nginx("a 1; # c\nb { c \"x y\"; d ''; e { f; } }\n")
+    assert _value(conf, "a") == ["1"]
+    b = _inner(conf["b"][0])
+    assert _value(b, "c") == ["x y"] and _value(b, "d") == [""] and "f" in _inner(b["e"][0])
+    for broken in ("a { b;", "a; }", "a b"):
+        with pytest.raises(AssertionError):
+            _parse_nginx(broken)
