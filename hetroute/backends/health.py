@@ -1,7 +1,8 @@
 """Backend health: active ``/health`` probes plus Envoy-style passive outlier ejection.
 
 Owns one :class:`BackendHealth` record per backend and the probe task. A backend is
-*available* when its active probe state is healthy and it is not ejected.
+*available* when its active probe state is healthy and it is not ejected; it is *confirmed* once
+it has passed a probe or answered a request (``/ready`` wants one that is both).
 
 Outlier detection (Envoy ``outlier.rst`` semantics):
 - ``consecutive_failures`` upstream failures in a row (5xx, connection refused/reset,
@@ -45,6 +46,7 @@ class BackendHealth:
     last_probe_at_s: float | None = None
     last_error: str | None = None
     last_success_at_s: float | None = None
+    last_probe_ok_at_s: float | None = None
 
 
 class HealthTracker:
@@ -80,6 +82,16 @@ class HealthTracker:
 
     def available_count(self) -> int:
         return sum(1 for i in range(len(self.states)) if self.is_available(i))
+
+    def confirmed(self, i: int) -> bool:
+        """True once backend ``i`` has passed an active probe or answered a request successfully: a
+        backend counts as available from start-up, before anything has been heard from it."""
+        h = self.states[i]
+        return h.last_probe_ok_at_s is not None or h.last_success_at_s is not None
+
+    def confirmed_available_count(self) -> int:
+        """Backends that are available and :meth:`confirmed` (what ``/ready`` requires one of)."""
+        return sum(1 for i in range(len(self.states)) if self.confirmed(i) and self.is_available(i))
 
     def _end_ejection(self, h: BackendHealth, at_s: float) -> None:
         h.ejected_until_s = None
@@ -134,6 +146,7 @@ class HealthTracker:
         now = self.clock.now()
         h.last_probe_at_s = now
         if ok:
+            h.last_probe_ok_at_s = now
             h.probe_failures = 0
             h.probe_successes += 1
             if h.probe_successes >= self.config.healthy_threshold:

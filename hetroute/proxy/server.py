@@ -2,10 +2,10 @@
 
 Owns the route table and the handlers for the client APIs (OpenAI ``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``; TGI ``/generate``, ``/generate_stream``, ``/info``),
-``/health``, ``/metrics`` and ``/admin/backends``. Invariant: a request that is malformed,
-too large, slow, badly encoded, for an unknown model or an unsupported path is answered here
-in the API's own error shape and never reaches a backend: handlers raise :class:`ApiError`,
-and the error middleware (:mod:`hetroute.proxy.local_errors`) answers, logs and counts it.
+``/health``, ``/ready``, ``/live``, ``/metrics`` and ``/admin/backends``. Invariant: a request
+that is malformed, too large, slow, badly encoded, for an unknown model or an unsupported path is
+answered here in the API's own error shape and never reaches a backend: handlers raise
+:class:`ApiError`, and the error middleware (:mod:`hetroute.proxy.local_errors`) answers, logs and counts it.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from hetroute.telemetry import Telemetry
 
 OPENAI_POST_PATHS = ("/v1/chat/completions", "/v1/completions")
 TGI_POST_PATHS = ("/generate", "/generate_stream", "/")
-GET_PATHS = ("/v1/models", "/info", "/health", "/metrics", "/admin/backends")
+GET_PATHS = ("/v1/models", "/info", "/health", "/ready", "/live", "/metrics", "/admin/backends")
 
 
 class Gateway:
@@ -177,6 +177,26 @@ class Gateway:
             status=status,
         )
 
+    async def ready_check(self, request: web.Request) -> web.Response:
+        """Readiness (a Kubernetes readinessProbe, a load balancer's check): 200 once the backends are
+        discovered (the app is built only after that) and at least one is available and has been
+        heard from (a passed probe or a successful request); 503 with the counts otherwise."""
+        discovered = len(self.router.backends)
+        healthy = self.health.confirmed_available_count()
+        body: dict[str, object] = {
+            "status": "ready" if healthy else "not ready",
+            "discovered_backends": discovered,
+            "healthy_backends": healthy,
+        }
+        if not healthy:
+            body["reason"] = "no backend has passed a health check yet or all are unhealthy"
+        return web.json_response(body, status=200 if healthy else 503)
+
+    async def live_check(self, request: web.Request) -> web.Response:
+        """Liveness: 200 whenever the event loop answers, whatever the backends' state (so that a
+        liveness probe never restarts a router because its backends are down)."""
+        return web.json_response({"status": "alive"})
+
     async def admin_backends(self, request: web.Request) -> web.Response:
         if self.admin_token is not None and not bearer_token_matches(
             request.headers.get("Authorization"), self.admin_token
@@ -244,6 +264,8 @@ def add_routes(app: web.Application, gw: Gateway) -> None:
     app.router.add_get("/v1/models", gw.models, allow_head=False, expect_handler=expect)
     app.router.add_get("/info", gw.info, allow_head=False, expect_handler=expect)
     app.router.add_get("/health", gw.health_check, allow_head=False, expect_handler=expect)
+    app.router.add_get("/ready", gw.ready_check, allow_head=False, expect_handler=expect)
+    app.router.add_get("/live", gw.live_check, allow_head=False, expect_handler=expect)
     app.router.add_get("/metrics", gw.telemetry.handle_metrics, allow_head=False, expect_handler=expect)
     app.router.add_get("/admin/backends", gw.admin_backends, allow_head=False, expect_handler=expect)
     app.router.add_route("*", "/{tail:.*}", gw.not_found, expect_handler=expect)

@@ -116,3 +116,17 @@ def test_failures_while_ejected_do_not_extend() -> None:
     assert t.describe(0)["ejected"] is True
     clock.advance(10.0)
     assert t.describe(0)["ejected"] is False
+
+
+def test_confirmed_needs_a_passed_probe_or_a_success() -> None:
+    t, _, _ = _tracker(3)
+    assert t.available_count() == 3 and t.confirmed_available_count() == 0  # nothing heard yet
+    t.record_probe(0, False, "probe status 503")  # one failure: still available, not confirmed
+    assert t.is_available(0) and not t.confirmed(0)
+    t.record_probe(1, True)
+    t.record_success(2)
+    assert [t.confirmed(i) for i in range(3)] == [False, True, True]
+    assert t.confirmed_available_count() == 2
+    t.record_probe(1, False, "x")
+    t.record_probe(1, False, "x")  # unhealthy_threshold: confirmed once, but no longer available
+    assert t.confirmed(1) and t.confirmed_available_count() == 1
