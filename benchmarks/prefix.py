@@ -47,7 +47,9 @@ POLICIES: dict[str, tuple[str, dict[str, object]]] = {
     "prefix_scorer": ("prefix_scorer", {}),
     "session_hash": ("session_hash", {}),
 }
+METRICS = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "engine_hit_rate", "router_hit_estimate")
 BASELINES = ("default-no-prefix", "cache_aware", "prefix_scorer", "session_hash")
+MAX_MODEL_LEN = 8192  # Llama-3-8B's context: every fleet here serves it
 HOMOGENEOUS = {
     "name": "homogeneous",
     "description": "4 x A100-80GB TP1, Llama-3-8B",
@@ -107,7 +109,7 @@ def sim_part(args: argparse.Namespace) -> list[dict[str, Any]]:
     workloads = [w for w in WORKLOADS if w != "mooncake" or TRACE.is_file()]
     for fleet_name in args.fleets:
         fleet = fleet_of(fleet_name, args.blind)
-        max_len = min(8192, *(b.max_model_len for b in fleet.instances)) if hasattr(fleet, "instances") else 8192
+        max_len = MAX_MODEL_LEN
         base = workload_of("no-sharing", args.requests, math.inf, 0, max_len)
         capacity = sim_run(fleet, base, "default-no-prefix", True)["throughput_tok_s"]
         print(f"{fleet_name}: no-sharing capacity {capacity:,.0f} tokens/s", flush=True)
@@ -126,7 +128,8 @@ def sim_part(args: argparse.Namespace) -> list[dict[str, Any]]:
                             f"  {kind:14s} load {load:.2f} ({rate:5.2f}/s) seed {seed} {policy:18s} "
                             f"{row['throughput_tok_s']:9,.0f} tok/s  ttft p50 {row['ttft_p50_s']:7.3f} "
                             f"p99 {row['ttft_p99_s']:7.3f}  hit {row['engine_hit_rate']:.3f} "
-                            f"(router {row['router_hit_estimate']:.3f})  [{time.perf_counter() - started:.1f}s]",
+                            f"(router {row['router_hit_estimate']:.3f})  "
+                            f"[{time.perf_counter() - started:.1f}s]",
                             flush=True,
                         )
     return rows
@@ -143,10 +146,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             mine = [r for r in cell if r["policy"] == policy]
             if not mine:
                 continue
-            med[policy] = {
-                m: float(np.median([r[m] for r in mine]))
-                for m in ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "engine_hit_rate", "router_hit_estimate")
-            }
+            med[policy] = {m: float(np.median([r[m] for r in mine])) for m in METRICS}
         if "default" not in med:
             continue
         d = med["default"]
@@ -178,17 +178,25 @@ def markdown(summary: list[dict[str, Any]], title: str) -> str:
     for s in summary:
         for policy, m in s["policies"].items():
             lines.append(
-                f"| {s['fleet']} | {s['workload']} | {s['load']:.2f} | {policy} | {m['throughput_tok_s']:,.0f} "
+                f"| {s['fleet']} | {s['workload']} | {s['load']:.2f} | {policy} "
+                f"| {m['throughput_tok_s']:,.0f} "
                 f"| {m['ttft_p50_s']:.3f} | {m['ttft_p99_s']:.3f} | {m['engine_hit_rate']:.3f} "
                 f"| {m['router_hit_estimate']:.3f} |"
             )
-    lines += ["", "Default against the best of cache_aware, prefix_scorer and session_hash (medians over seeds):", ""]
-    lines.append("| fleet | workload | load | throughput ratio | p99 TTFT ratio | hit-rate ratio | vs no prefix term |")
+    lines += [
+        "",
+        "Default against the best of cache_aware, prefix_scorer, session_hash (medians over seeds):",
+        "",
+    ]
+    lines.append(
+        "| fleet | workload | load | throughput ratio | p99 TTFT ratio | hit-rate ratio | vs no prefix |"
+    )
     lines.append("|---|---|---|---|---|---|---|")
     for s in summary:
         lines.append(
             f"| {s['fleet']} | {s['workload']} | {s['load']:.2f} | {s['thr_vs_best_baseline']:.3f} "
-            f"| {s['p99_vs_best_baseline']:.3f} | {s['hit_vs_best_baseline']:.3f} | {s['thr_vs_no_prefix']:.3f} |"
+            f"| {s['p99_vs_best_baseline']:.3f} | {s['hit_vs_best_baseline']:.3f} "
+            f"| {s['thr_vs_no_prefix']:.3f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -214,7 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = gateway_part(args)
         title = "Prefix-aware routing through the gateway"
     summary = summarise(rows)
-    Path(f"{stem}.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=1), encoding="utf-8")
+    payload = json.dumps({"rows": rows, "summary": summary}, indent=1)
+    Path(f"{stem}.json").write_text(payload, encoding="utf-8")
     text = markdown(summary, title)
     Path(f"{stem}.md").write_text(text, encoding="utf-8")
     print(text)
