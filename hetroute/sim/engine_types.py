@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hetroute.errors import ConfigError
-from hetroute.sim.catalog import GpuSpec, ModelSpec, check_tp
+from hetroute.sim.catalog import GpuSpec, ModelSpec, check_tp, kv_capacity_tokens
 
 EngineFlavour = Literal["vllm", "tgi"]
 
@@ -39,7 +39,11 @@ class PromptTooLong(ValueError):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings (vLLM flag names); validation errors name the field."""
+    """Engine settings (vLLM flag names); validation errors name the field.
+
+    ``enable_prefix_caching`` (vLLM V1's default, True) turns automatic prefix caching on for both
+    flavours (TGI 3: ``PREFIX_CACHING``); it only acts on requests submitted with block hashes.
+    """
 
     gpu: GpuSpec
     model: ModelSpec
@@ -54,6 +58,7 @@ class EngineConfig:
     max_model_len: int | None = None
     num_gpu_blocks_override: int | None = None
     max_batch_total_tokens: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.engine not in ("vllm", "tgi"):
@@ -66,6 +71,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(name, f"expected a positive integer or None, got {value!r}")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"expected true or false, got {getattr(self, name)!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 "gpu_memory_utilization", f"expected a fraction in (0, 1], got {self.gpu_memory_utilization}"
@@ -74,6 +82,15 @@ class EngineConfig:
             check_tp(self.model, self.tp)
         except ValueError as exc:
             raise ConfigError("tp", str(exc)) from exc
+
+    def num_gpu_blocks(self) -> int:
+        """KV blocks of the engine: the override, else the catalog's KV capacity in whole blocks."""
+        if self.num_gpu_blocks_override is not None:
+            return self.num_gpu_blocks_override
+        cap = kv_capacity_tokens(
+            self.gpu, self.model, self.tp, self.gpu_memory_utilization, self.overhead_gib_per_gpu
+        )
+        return cap // self.block_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,3 +132,7 @@ class EngineStats:
     requests_aborted_total: int
     batch_reserved_tokens: int
     steps_total: int
+    prefix_cache_queries_total: int = 0
+    """Prompt tokens of the requests looked up in the prefix cache (vLLM's ``prefix_cache_queries``)."""
+    prefix_cache_hits_total: int = 0
+    """Tokens of those lookups found cached (vLLM's ``prefix_cache_hits``)."""
