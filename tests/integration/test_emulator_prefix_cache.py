@@ -3,6 +3,10 @@ share a system prompt hit it, and ``/metrics`` counts it under vLLM's names (TGI
 
 from __future__ import annotations
 
+import asyncio
+import re
+import signal
+import sys
 import time
 from typing import Any
 
@@ -10,7 +14,7 @@ import aiohttp
 
 from hetroute.backends.engines import parse_vllm
 from hetroute.sim.emulator_text import chat_token_ids
-from tests.integration.test_emulator import make_engine, serve
+from tests.integration.test_emulator import _CLI, TIMEOUT, make_engine, serve
 
 PROMPT = "".join(f"{i:08d}" for i in range(2000))  # 16,000 characters: 4,000 emulator tokens
 
@@ -82,3 +86,32 @@ async def test_no_prefix_caching_and_tgi_metrics() -> None:
     # the first request's 62 full blocks were cached when it left the batch; the second hits them all
     assert emu.engine.stats().prefix_cache_hits_total == 62 * 16
     assert "prefix" not in text  # TGI exports no prefix-cache metric
+
+
+async def test_emulate_command_turns_prefix_caching_off_with_vllms_flag() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _CLI, "emulate", "--gpu", "A100-80GB", "--model", "Llama-3-8B",
+        "--port", "0", "--no-enable-prefix-caching", stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), timeout=15)).decode()
+        assert "prefix caching off" in line
+        url = re.search(r"http://127\.0\.0\.1:\d+", line)
+        assert url is not None
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            for _ in range(2):
+                async with s.post(
+                    f"{url.group(0)}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}
+                ) as r:
+                    assert r.status == 200
+            async with s.get(f"{url.group(0)}/metrics") as r:
+                text = await r.text()
+        assert 'enable_prefix_caching="False"' in text
+        assert parse_vllm(text).prefix_cache_hits_total == 0.0
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), timeout=10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
