@@ -194,6 +194,16 @@ def chat_token_ids(messages: Sequence[Mapping[str, Any]]) -> list[int]:
     return ids
 
 
+def filler_prompt(tokens: int, tag: str) -> str:
+    """A prompt of exactly ``tokens`` tokens that starts with ``tag``.
+
+    Prompts with different tags (shorter than 63 characters) differ in their first 16-token block, so
+    no prefix cache serves one from another: what a benchmark needs when its requests share no content.
+    """
+    chars = CHARS_PER_TOKEN * tokens
+    return (f"{tag}|" + "x" * chars)[:chars]
+
+
 def draw_output_tokens(
     rng: random.Random, max_tokens: int, min_tokens: int = 0, ignore_eos: bool = False
 ) -> int:

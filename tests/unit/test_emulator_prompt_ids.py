@@ -16,6 +16,7 @@ from hetroute.sim.emulator_text import (
     chat_token_ids,
     count_chat_tokens,
     count_text_tokens,
+    filler_prompt,
     token_ids,
 )
 
@@ -67,3 +68,10 @@ def test_requests_carry_their_prompt_ids_and_block_hashes() -> None:
     assert list(chat.prompt_token_ids()) == chat_token_ids(CHATS[1])
     tgi = parse_tgi({"inputs": text}, stream=False)
     assert tgi.block_hashes(16) == first.block_hashes(16)
+
+
+def test_filler_prompts_have_the_exact_length_and_share_no_block() -> None:
+    for tokens in (1, 15, 16, 17, 1000):
+        assert count_text_tokens(filler_prompt(tokens, "r12")) == tokens
+    a, b = (token_block_hashes(token_ids(filler_prompt(500, tag)), 16) for tag in ("r1", "r2"))
+    assert len(a) == 31 and not set(a) & set(b)
