@@ -94,7 +94,7 @@ class _Request:
 
 
 class EngineModel:
-    """A vLLM- or TGI-like engine instance (see module docstring for the scheduling rules)."""
+    """A vLLM- or TGI-like engine (scheduling rules: module docstring); ``pool``: its KV blocks, read-only."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
