@@ -41,6 +41,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from policies_gateway import ADMIN_TOKEN, BACKENDS, HETROUTE, MODEL, free_port, wait_ready  # noqa: E402
 
+from hetroute.sim.emulator_text import filler_prompt  # noqa: E402
 from hetroute.sim.workload import SimRequest, generate_workload  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -57,7 +58,7 @@ async def one(
     sent = time.monotonic()
     body = {
         "model": MODEL,
-        "prompt": "x" * (4 * req.input_tokens),
+        "prompt": filler_prompt(req.input_tokens, req.request_id),  # no shared prefix
         "max_tokens": req.output_tokens,
         "ignore_eos": True,
         "stream": True,

@@ -4,7 +4,9 @@ The gateway run starts one in-process ``hetroute emulate`` app per instance of t
 :class:`EngineModel` the simulator uses, running ``speedup`` times faster than real time) and the real
 gateway (``hetroute.app.build_app``) in front of them, on 127.0.0.1, then replays the workload: each
 request is sent at ``arrival_s / speedup`` wall seconds with a prompt of exactly ``input_tokens``
-tokens (the emulator counts ceil(chars / 4)) and ``max_tokens = output_tokens`` with ``ignore_eos``.
+tokens (the emulator counts ceil(chars / 4)) that starts with the request id, so the emulators' prefix
+cache serves none of it (the workload's requests share no content), and ``max_tokens = output_tokens``
+with ``ignore_eos``.
 Throughput is (prompt + completion tokens from the responses' ``usage``) / makespan, the makespan
 converted back to virtual seconds (× speedup). The simulator runs the same cluster, workload, policy
 and seed. Run:
@@ -37,12 +39,12 @@ from hetroute.app import build_app, start_app
 from hetroute.config import config_from_dict
 from hetroute.sim.cluster_file import Fleet, build_fleet
 from hetroute.sim.emulator import build_emulator_app, run_emulator
+from hetroute.sim.emulator_text import filler_prompt
 from hetroute.sim.engine_model import EngineModel
 from hetroute.sim.scenarios import get_scenario
 from hetroute.sim.simulator import run_simulation
 from hetroute.sim.workload import SimRequest, generate_workload, parse_rate
 
-CHARS_PER_TOKEN = 4  # the emulator's prompt tokenizer: ceil(chars / 4)
 GATEWAY_SCRAPE_INTERVAL_S = 1.0
 LAG_PROBE_S = 0.005
 
@@ -97,7 +99,7 @@ def gateway_config(
 async def _send(session: aiohttp.ClientSession, url: str, model: str, req: SimRequest) -> tuple[int, str]:
     body = {
         "model": model,
-        "prompt": "x" * (CHARS_PER_TOKEN * req.input_tokens),
+        "prompt": filler_prompt(req.input_tokens, req.request_id),  # no shared prefix
         "max_tokens": req.output_tokens,
         "ignore_eos": True,
         "stream": False,

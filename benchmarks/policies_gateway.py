@@ -36,6 +36,7 @@ import aiohttp
 import numpy as np
 import yaml
 
+from hetroute.sim.emulator_text import filler_prompt
 from hetroute.sim.workload import SimRequest, generate_workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -72,7 +73,7 @@ async def one_request(
     sent = time.monotonic()
     body = {
         "model": MODEL,
-        "prompt": "x" * (4 * req.input_tokens),
+        "prompt": filler_prompt(req.input_tokens, req.request_id),  # no shared prefix
         "max_tokens": req.output_tokens,
         "ignore_eos": True,
         "stream": True,

@@ -418,11 +418,13 @@ async def one_request(
     """(ttft_s, e2e_s, end_s) in model seconds (end from the run's start) and the backend; NaN on failure."""
     import aiohttp
 
+    from hetroute.sim.emulator_text import filler_prompt
+
     await asyncio.sleep(max(0.0, start + req.arrival_s / speedup - time.monotonic()))
     sent = time.monotonic()
     body = {
         "model": model,
-        "prompt": "x" * (4 * req.input_tokens),
+        "prompt": filler_prompt(req.input_tokens, req.request_id),  # no shared prefix
         "max_tokens": req.output_tokens,
         "ignore_eos": True,
         "stream": True,

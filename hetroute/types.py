@@ -80,7 +80,9 @@ class EngineMetrics:
     num_preemptions_total: float | None = None
     batch_current_max_tokens: float | None = None
     prefix_cache_queries_total: float | None = None
+    """Prompt tokens looked up in the engine's prefix cache (vLLM ``vllm:prefix_cache_queries``)."""
     prefix_cache_hits_total: float | None = None
+    """Tokens of those lookups found cached (vLLM ``vllm:prefix_cache_hits``); TGI exports neither."""
 
 
 @dataclass(frozen=True, slots=True)

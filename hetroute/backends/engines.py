@@ -2,7 +2,8 @@
 
 One alias table per engine kind maps the engine's metric names to our fields; a metric
 the engine does not expose stays ``None`` (never 0). With several engine cores (vLLM data
-parallel, label ``engine``) request counts are summed and KV usage is averaged.
+parallel, label ``engine``) request counts and counters (preemptions, prefix-cache queries and hits, in
+tokens) are summed and KV usage is averaged. TGI exports no prefix-cache metric.
 No I/O here: :mod:`hetroute.backends.scrape` fetches the text.
 """
 
@@ -21,6 +22,12 @@ _VLLM: _Table = {
     "num_requests_waiting": (("vllm:num_requests_waiting",), "sum"),
     "kv_usage_frac": (("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"), "mean"),
     "num_preemptions_total": (("vllm:num_preemptions_total",), "sum"),
+    # counters in tokens; the gpu_ names are vLLM 0.9's deprecated aliases
+    "prefix_cache_queries_total": (
+        ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+        "sum",
+    ),
+    "prefix_cache_hits_total": (("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"), "sum"),
 }
 _TGI: _Table = {
     "num_requests_waiting": (("tgi_queue_size",), "sum"),
@@ -106,6 +113,8 @@ def parse_metrics(engine: EngineKind, text: str, scraped_at_s: float) -> EngineM
         num_gpu_blocks=num_blocks,
         num_preemptions_total=fields.get("num_preemptions_total"),
         batch_current_max_tokens=fields.get("batch_current_max_tokens"),
+        prefix_cache_queries_total=fields.get("prefix_cache_queries_total"),
+        prefix_cache_hits_total=fields.get("prefix_cache_hits_total"),
     )
 
 

@@ -30,6 +30,7 @@ EXAMPLE = """examples:
   hetroute emulate --gpu V100-SXM2-32GB --tp 4 --model Llama-3-8B --port 8001
   hetroute emulate --gpu A800-80GB-PCIe --model DeepSeek-R1-Distill-Qwen-14B --engine tgi --speedup 10
   hetroute emulate --gpu T4 --model Llama-3-8B --max-num-seqs 4 --num-gpu-blocks 64 --error-rate 0.05
+  hetroute emulate --gpu A100-80GB --model Llama-3-8B --no-enable-prefix-caching
 """
 
 
@@ -71,6 +72,16 @@ def add_parser(subparsers: Any) -> None:
         "--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory used"
     )
     parser.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=(
+            "automatic prefix caching, vLLM's flag (default: on, as in vLLM V1 and TGI 3): a request reuses "
+            "the cached KV blocks of an earlier prompt's identical prefix and skips their prefill; "
+            "--no-enable-prefix-caching turns it off"
+        ),
+    )
     parser.add_argument("--error-rate", type=float, default=0.0, help="fraction of requests answered 500/503")
     parser.add_argument("--crash-after", type=int, help="drop every connection after N generation requests")
     parser.add_argument("--slow-start-s", type=float, default=0.0, help="answer 503 for this many seconds")
@@ -105,6 +116,7 @@ def _engine(args: argparse.Namespace) -> EngineModel:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=not args.no_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
         num_gpu_blocks_override=args.num_gpu_blocks,
@@ -133,7 +145,8 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, faults: FaultCon
             f"hetroute emulate: {cfg.engine} engine for {served} on {cfg.tp}x {cfg.gpu.name} at {url} "
             f"(KV capacity {engine.kv_capacity_tokens} tokens = {engine.num_gpu_blocks} blocks x "
             f"{engine.block_size}, "
-            f"max_model_len {engine.max_model_len}, speedup {args.speedup:g})",
+            f"max_model_len {engine.max_model_len}, speedup {args.speedup:g}, "
+            f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'})",
             flush=True,
         )
         await stop.wait()

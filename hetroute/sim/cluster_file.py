@@ -56,6 +56,7 @@ ENGINE_ARG_TYPES: Final[dict[str, type]] = {
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
     "enable_chunked_prefill": bool,
+    "enable_prefix_caching": bool,
     "gpu_memory_utilization": float,
     "overhead_gib_per_gpu": float,
     "max_model_len": int,

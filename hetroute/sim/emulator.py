@@ -15,7 +15,9 @@ Endpoints (both flavours): ``POST /v1/completions``, ``POST /v1/chat/completions
 
 Token counts are deterministic (:mod:`emulator_text`): prompt tokens = ceil(chars / 4) (chat: per message
 +4, +3 for the generation prompt); output length honours ``max_tokens``/``max_new_tokens``, with
-``ignore_eos`` or ``min_tokens`` forcing the exact length, else a seeded ShareGPT-like draw.
+``ignore_eos`` or ``min_tokens`` forcing the exact length, else a seeded ShareGPT-like draw. Prompt token ids
+are deterministic too, so the engine's prefix cache hits a repeated prompt prefix (on unless the engine's
+``enable_prefix_caching`` is off).
 
 Faults (:class:`FaultConfig`, all seeded): ``error_rate`` (500/503 JSON), ``crash_after_requests`` (the
 next generation request and every later request, in-flight ones included, get their connection dropped),
@@ -243,8 +245,9 @@ class Emulator:
         output = draw_output_tokens(self.rng, cap, req.min_tokens, req.ignore_eos)
         rid = f"{prefix}-{self.rng.getrandbits(128):032x}"
         now = self.clock.now()
+        hashes = req.block_hashes(engine.block_size) if engine.config.enable_prefix_caching else ()
         try:
-            engine.submit(rid, req.prompt_tokens, output, now, reserve_tokens=cap)
+            engine.submit(rid, req.prompt_tokens, output, now, reserve_tokens=cap, block_hashes=hashes)
         except PromptTooLong as exc:
             self.metrics.requests_failed += 1
             raise self._too_long(req, cap) from exc

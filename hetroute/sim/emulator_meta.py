@@ -11,14 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hetroute.sim.emulator_protocol import ApiError, EngineKind
-from hetroute.sim.emulator_text import (
-    CHARS_PER_TOKEN,
-    count_chat_tokens,
-    count_text_tokens,
-    message_text,
-    pseudo_token_ids,
-    token_ids,
-)
+from hetroute.sim.emulator_text import CHARS_PER_TOKEN, chat_token_ids, token_ids
 from hetroute.sim.engine_model import EngineModel
 
 TGI_VERSION = "2.4.0"
@@ -40,14 +33,12 @@ def tokenize_body(kind: EngineKind, body: Mapping[str, Any], max_model_len: int)
         ]
     messages = body.get("messages")
     if isinstance(messages, list) and messages and all(isinstance(m, Mapping) for m in messages):
-        count = count_chat_tokens(messages)
-        text = "".join(message_text(m.get("content")) for m in messages)
+        tokens = chat_token_ids(messages)  # the ids the prefix cache hashes, as for /v1/chat/completions
     elif isinstance(body.get("prompt"), str):
-        text = body["prompt"]
-        count = count_text_tokens(text)
+        tokens = token_ids(body["prompt"])
     else:
         raise ApiError(400, "prompt or messages is required", "BadRequestError")
-    return {"count": count, "max_model_len": max_model_len, "tokens": pseudo_token_ids(text, count)}
+    return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
 
 
 def models_body(

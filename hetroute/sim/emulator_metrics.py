@@ -6,13 +6,17 @@ global ``prometheus_client`` registry); the format follows the Prometheus text e
 
 vLLM names (label ``model_name``, plus ``engine="0"``): ``vllm:num_requests_running``,
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (0–1), ``vllm:cache_config_info{...} 1.0``,
-``vllm:num_preemptions_total``, ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
-``vllm:request_success_total{finished_reason}``, histograms ``vllm:time_to_first_token_seconds``,
-``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds``.
+``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` (counters in tokens, exported
+even with prefix caching off, as vLLM V1 does; its older ``vllm:gpu_prefix_cache_hit_rate`` gauge is a V0
+metric that V1 replaced by these two), ``vllm:num_preemptions_total``, ``vllm:prompt_tokens_total``,
+``vllm:generation_tokens_total``, ``vllm:request_success_total{finished_reason}``, histograms
+``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
+``vllm:e2e_request_latency_seconds``.
 TGI names (no labels, counters without ``_total`` as TGI's exporter writes them): ``tgi_queue_size``,
 ``tgi_batch_current_size``, ``tgi_batch_current_max_tokens``, ``tgi_request_count``,
 ``tgi_request_success``, ``tgi_request_failure``, histograms ``tgi_request_duration``,
-``tgi_request_generated_tokens``, ``tgi_request_input_length``.
+``tgi_request_generated_tokens``, ``tgi_request_input_length``. TGI exports no prefix-cache metric (its
+router's ``tgi_*`` metrics have none, though its radix prefix cache is on by default), so none is here.
 """
 
 from __future__ import annotations
@@ -129,10 +133,24 @@ def render_vllm(
         base,
         s.kv_usage_frac,
     )
+    lines += _sample(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, counted in queried tokens.",
+        base,
+        s.prefix_cache_queries_total,
+    )
+    lines += _sample(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, counted in cached tokens.",
+        base,
+        s.prefix_cache_hits_total,
+    )
     cache_labels = [
         ("block_size", str(engine.block_size)),
         ("cache_dtype", "auto"),
-        ("enable_prefix_caching", "False"),
+        ("enable_prefix_caching", str(engine.config.enable_prefix_caching)),
         ("engine", "0"),
         ("gpu_memory_utilization", str(gpu_memory_utilization)),
         ("kv_cache_size_tokens", str(engine.kv_capacity_tokens)),

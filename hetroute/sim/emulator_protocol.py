@@ -12,11 +12,12 @@ arrives in a separate chunk with ``"choices": []`` just before ``data: [DONE]``.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hetroute.sim.emulator_text import count_chat_tokens, count_text_tokens
+from hetroute.prefix.hashing import token_block_hashes
+from hetroute.sim.emulator_text import chat_token_ids, count_chat_tokens, count_text_tokens, token_ids
 
 EngineKind = Literal["vllm", "tgi"]
 ApiKind = Literal["completions", "chat", "generate"]
@@ -60,6 +61,21 @@ class GenRequest:
     ignore_eos: bool
     details: bool = True
     as_list: bool = False  # TGI's ``POST /`` answers a non-stream request with a one-element list
+    prompt: str | tuple[int, ...] = ""  # the prompt text or token ids (completions, TGI)
+    messages: tuple[Mapping[str, Any], ...] = ()  # the chat messages (chat)
+
+    def prompt_token_ids(self) -> Sequence[int]:
+        """The prompt's token ids (:mod:`emulator_text` rules); ``prompt_tokens`` of them."""
+        if self.messages:
+            return chat_token_ids(self.messages)
+        return token_ids(self.prompt) if isinstance(self.prompt, str) else self.prompt
+
+    def block_hashes(self, block_size: int) -> tuple[int, ...]:
+        """Chained hashes of the prompt's full blocks: what the engine's prefix cache is keyed by.
+
+        Computed on demand (one crc32 per 4 characters, one hash per block), so a server with prefix
+        caching off pays nothing; the same prompt always gives the same hashes."""
+        return token_block_hashes(self.prompt_token_ids(), block_size)
 
 
 def decode_json(raw: bytes) -> Mapping[str, Any]:
@@ -81,17 +97,18 @@ def _opt_int(body: Mapping[str, Any], key: str, minimum: int) -> int | None:
     return value
 
 
-def _prompt_tokens(prompt: Any) -> int:
+def _prompt(prompt: Any) -> str | tuple[int, ...]:
+    """The completions ``prompt``: a text or token ids (a batch of one is unwrapped)."""
     if isinstance(prompt, str):
-        return count_text_tokens(prompt)
+        return prompt
     if (
         isinstance(prompt, list)
         and prompt
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
-        return len(prompt)
+        return tuple(prompt)
     if isinstance(prompt, list) and len(prompt) == 1:
-        return _prompt_tokens(prompt[0])
+        return _prompt(prompt[0])
     raise bad_request("prompt must be a string or a list of token ids (batched prompts are not emulated)")
 
 
@@ -100,20 +117,24 @@ def parse_openai(body: Mapping[str, Any], api: ApiKind, served_model: str, engin
     model = body.get("model")
     if engine == "vllm" and model is not None and model != served_model:
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError")
+    messages: tuple[Mapping[str, Any], ...] = ()
+    prompt: str | tuple[int, ...] = ""
     if api == "chat":
-        messages = body.get("messages")
+        raw_messages = body.get("messages")
         if (
-            not isinstance(messages, list)
-            or not messages
-            or not all(isinstance(m, Mapping) for m in messages)
+            not isinstance(raw_messages, list)
+            or not raw_messages
+            or not all(isinstance(m, Mapping) for m in raw_messages)
         ):
             raise bad_request("messages must be a non-empty list of message objects")
+        messages = tuple(raw_messages)
         prompt_tokens = count_chat_tokens(messages)
         max_tokens = _opt_int(body, "max_completion_tokens", 1) or _opt_int(body, "max_tokens", 1)
     else:
         if "prompt" not in body:
             raise bad_request("prompt is required")
-        prompt_tokens = _prompt_tokens(body["prompt"])
+        prompt = _prompt(body["prompt"])
+        prompt_tokens = count_text_tokens(prompt) if isinstance(prompt, str) else len(prompt)
         max_tokens = _opt_int(body, "max_tokens", 1)
         if "max_tokens" not in body:
             max_tokens = OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -131,6 +152,8 @@ def parse_openai(body: Mapping[str, Any], api: ApiKind, served_model: str, engin
         # vLLM extensions; TGI's OpenAI routes have no way to force the output length
         min_tokens=(_opt_int(body, "min_tokens", 0) or 0) if engine == "vllm" else 0,
         ignore_eos=bool(body.get("ignore_eos", False)) and engine == "vllm",
+        prompt=prompt,
+        messages=messages,
     )
 
 
@@ -158,6 +181,7 @@ def parse_tgi(body: Mapping[str, Any], stream: bool) -> GenRequest:
         min_tokens=0,
         ignore_eos=False,
         details=bool(params.get("details", True)),
+        prompt=inputs,
     )
 
 

@@ -6,7 +6,12 @@ Rules (documented for operators and tests; no real tokenizer is involved):
 - **Chat → tokens**: Σ over messages of (tokens of its text content + 4 per message) + 3 for the
   assistant header that ``add_generation_prompt`` appends. Content given as OpenAI parts counts the
   ``text`` parts only.
-- **Token ids** (``/tokenize``): each 4-character piece maps to ``crc32(piece) % 32000``; stable across runs.
+- **Token ids** (``/tokenize``, and the prompt blocks the engine's prefix cache hashes): each 4-character
+  piece of a text maps to ``crc32(piece) % 32000``, stable across runs. A chat prompt's ids are, per
+  message, 4 role-header ids (``CHAT_HEADER_START``, ``crc32(role) % 32000``, ``CHAT_HEADER_END``,
+  ``CHAT_TURN_END``: fixed for a role, ids ≥ 32000 play the template's special tokens) followed by its
+  content's ids, then the 3 generation-prompt ids (the assistant header without its turn end); so
+  ``len(chat_token_ids(m)) == count_chat_tokens(m)`` and the same messages always give the same ids.
 - **Output text**: token k of a request is a word drawn from a fixed vocabulary by a seeded RNG, each
   with a leading space, so the text has exactly one "word" per emitted token.
 - **Output length**: ``ignore_eos`` (or ``min_tokens ≥ max_tokens``) forces exactly ``max_tokens``;
@@ -26,6 +31,9 @@ CHARS_PER_TOKEN = 4
 CHAT_TOKENS_PER_MESSAGE = 4
 CHAT_GENERATION_PROMPT_TOKENS = 3
 VOCAB_SIZE = 32000
+CHAT_HEADER_START = VOCAB_SIZE
+CHAT_HEADER_END = VOCAB_SIZE + 1
+CHAT_TURN_END = VOCAB_SIZE + 2
 OUTPUT_MEDIAN_TOKENS = 150.0
 OUTPUT_SIGMA = 0.9
 
@@ -155,19 +163,45 @@ def count_chat_tokens(messages: Sequence[Mapping[str, Any]]) -> int:
 
 
 def token_ids(text: str) -> list[int]:
-    """Stable pseudo token ids for ``text``: one per 4-character piece."""
+    """Stable pseudo token ids for ``text``: one per 4-character piece (``[0]`` for an empty text)."""
     if not text:
         return [0]
+    crc, step = zlib.crc32, CHARS_PER_TOKEN
+    raw = text.encode("utf-8", "surrogatepass")  # JSON may carry lone surrogates
+    if len(raw) == len(text):  # ASCII: a 4-character piece is 4 bytes, so slice the bytes once encoded
+        return [crc(raw[i : i + step]) % VOCAB_SIZE for i in range(0, len(raw), step)]
     return [
-        zlib.crc32(text[i : i + CHARS_PER_TOKEN].encode("utf-8")) % VOCAB_SIZE
-        for i in range(0, len(text), CHARS_PER_TOKEN)
+        crc(text[i : i + step].encode("utf-8", "surrogatepass")) % VOCAB_SIZE
+        for i in range(0, len(text), step)
     ]
 
 
-def pseudo_token_ids(text: str, count: int) -> list[int]:
-    """``count`` stable ids for a prompt whose text is ``text`` (the ids repeat cyclically)."""
-    base = token_ids(text)
-    return [base[i % len(base)] for i in range(count)]
+def _role_header(role: str) -> tuple[int, ...]:
+    """The CHAT_TOKENS_PER_MESSAGE (4) ids a message of ``role`` starts with."""
+    role_id = zlib.crc32(role.encode("utf-8", "surrogatepass")) % VOCAB_SIZE
+    return (CHAT_HEADER_START, role_id, CHAT_HEADER_END, CHAT_TURN_END)
+
+
+def chat_token_ids(messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Token ids of a chat prompt (see module docstring); as long as :func:`count_chat_tokens` says."""
+    ids: list[int] = []
+    for message in messages:
+        ids.extend(_role_header(str(message.get("role", ""))))
+        text = message_text(message.get("content"))
+        if text:
+            ids.extend(token_ids(text))
+    ids.extend(_role_header("assistant")[:CHAT_GENERATION_PROMPT_TOKENS])
+    return ids
+
+
+def filler_prompt(tokens: int, tag: str) -> str:
+    """A prompt of exactly ``tokens`` tokens that starts with ``tag``.
+
+    Prompts with different tags (shorter than 63 characters) differ in their first 16-token block, so
+    no prefix cache serves one from another: what a benchmark needs when its requests share no content.
+    """
+    chars = CHARS_PER_TOKEN * tokens
+    return (f"{tag}|" + "x" * chars)[:chars]
 
 
 def draw_output_tokens(

@@ -1,11 +1,12 @@
 """One engine instance's scheduler and KV cache, as a pure step function (shared by emulator and simulator).
 
-Owns: :class:`EngineConfig`, :class:`EngineModel` and its outcome/stats value types. No asyncio, no
-clock reads, no randomness: the caller passes ``now_s`` and applies each :class:`StepOutcome` at
-``now_s + duration_s`` (the simulator schedules an event; the emulator sleeps). State is advanced
-when ``step`` plans the iteration, so ``stats()`` during a step shows the state after it.
+Owns: :class:`EngineModel` (its config and value types, re-exported here, live in :mod:`engine_types`; its
+KV blocks in a :class:`~hetroute.sim.prefix_cache.BlockPool`). No asyncio, no clock reads, no randomness:
+the caller passes ``now_s`` and applies each :class:`StepOutcome` at ``now_s + duration_s`` (the simulator
+schedules an event; the emulator sleeps). State is advanced when ``step`` plans the iteration, so
+``stats()`` during a step shows the state after it.
 
-vLLM flavour (V1 scheduler, prefix caching off, no speculative decoding):
+vLLM flavour (V1 scheduler, no speculative decoding):
 - FCFS. Each step first serves RUNNING requests in admission order, each asking for all its not yet
   computed tokens (1 when decoding), capped by the step's token budget ``max_num_batched_tokens``
   (with chunked prefill a long prompt is split over steps; without it a prompt is scheduled whole and
@@ -19,176 +20,86 @@ vLLM flavour (V1 scheduler, prefix caching off, no speculative decoding):
   prefill, recent vLLM skips a prompt larger than the remaining budget and tries the next; we stop, which
   keeps admission O(1) per step with thousands waiting.)
 - A token is sampled for a request when its computed count reaches prompt + generated.
+- Automatic prefix caching (``enable_prefix_caching``, vLLM V1's default): a request submitted with
+  ``block_hashes`` (chained hashes of its prompt's full blocks) is looked up on every admission try (and
+  again after a preemption); its leading cached blocks are shared (reference-counted) and its computed
+  count starts at the hit, so those tokens are not prefilled. At most ``tokens − 1`` tokens hit, in whole
+  blocks: vLLM recomputes the last token for its logits, so a fully cached prompt recomputes its whole
+  last block. Full prompt blocks are cached in the step that computes them. Shared blocks count once in
+  KV usage; freed cached blocks stay hittable but count as free and are evicted on demand
+  (:mod:`prefix_cache`). Output blocks are not hashed (output token ids are unknown here; vLLM caches
+  them too, so a resumed request re-hits only its prompt). A request without hashes never hits.
 
 TGI flavour (router v2 style): admission reserves prompt + max_new_tokens (``reserve_tokens``) against
 ``max_batch_total_tokens`` (default: the KV capacity) and allocates all those blocks at once, so it never
 preempts; a step with newly admitted requests prefills only them (whole prompts), otherwise it decodes
-every running request.
+every running request. Prefix caching (TGI 3's radix cache, on by default): admission shares the cached
+leading blocks and prefills the rest (one token if the whole prompt is cached); a request's full prompt
+blocks are cached when it leaves the batch (TGI inserts a prefill into its radix trie on free).
 
-Invariants: used blocks ≤ num_gpu_blocks; running ≤ max_num_seqs; tokens scheduled per step ≤ budget;
-every submitted request that is not aborted emits exactly ``output_tokens`` tokens and then finishes.
+Invariants: used blocks (private + referenced cached blocks, each once) ≤ num_gpu_blocks; running ≤
+max_num_seqs; tokens scheduled per step ≤ budget; every submitted request that is not aborted emits
+exactly ``output_tokens`` tokens and then finishes.
 Step time comes from :mod:`hetroute.sim.roofline`.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from hetroute.errors import ConfigError
-from hetroute.sim.catalog import GpuSpec, ModelSpec, check_tp, kv_capacity_tokens
+from hetroute.sim.engine_types import (
+    EngineConfig,
+    EngineFlavour,
+    EngineStats,
+    PromptTooLong,
+    StepOutcome,
+    TokenEvent,
+)
+from hetroute.sim.prefix_cache import BlockPool
 from hetroute.sim.roofline import StepCost, step_cost
 
-EngineFlavour = Literal["vllm", "tgi"]
+__all__ = [
+    "EngineConfig",
+    "EngineFlavour",
+    "EngineModel",
+    "EngineStats",
+    "PromptTooLong",
+    "StepOutcome",
+    "TokenEvent",
+]
 
 
-class PromptTooLong(ValueError):
-    """prompt + output exceeds max_model_len; the message follows vLLM's 400 BadRequestError."""
-
-    def __init__(self, prompt_tokens: int, output_tokens: int, max_model_len: int) -> None:
-        if prompt_tokens >= max_model_len:
-            text = (
-                f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-                f"{prompt_tokens} input tokens. Please reduce the length of the input messages."
-            )
-        else:
-            text = (
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{prompt_tokens + output_tokens} tokens ({prompt_tokens} in the messages, "
-                f"{output_tokens} in the completion). Please reduce the length of the messages or completion."
-            )
-        super().__init__(text)
-        self.prompt_tokens = prompt_tokens
-        self.output_tokens = output_tokens
-        self.max_model_len = max_model_len
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine settings (vLLM flag names); validation errors name the field."""
-
-    gpu: GpuSpec
-    model: ModelSpec
-    tp: int = 1
-    engine: EngineFlavour = "vllm"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enable_chunked_prefill: bool = True
-    gpu_memory_utilization: float = 0.9
-    overhead_gib_per_gpu: float = 2.0
-    max_model_len: int | None = None
-    num_gpu_blocks_override: int | None = None
-    max_batch_total_tokens: int | None = None
+@dataclass(slots=True, eq=False)  # eq=False: requests compare by identity
+class _Request:
+    request_id: str
+    prompt: int
+    output: int
+    reserve: int
+    arrival_s: float
+    hashes: tuple[int, ...]  # chained hashes of the prompt's full blocks (empty: none or caching off)
+    event: TokenEvent = field(init=False)  # immutable, so one instance serves every decode step
+    computed: int = 0
+    generated: int = 0
+    blocks: int = 0  # private blocks + len(held)
+    started: bool = False
+    held: list[int] = field(default_factory=list)  # cached blocks it references, in block-table order
+    cached: int = 0  # leading prompt blocks already hit or registered
+    preempted: bool = False
 
     def __post_init__(self) -> None:
-        if self.engine not in ("vllm", "tgi"):
-            raise ConfigError("engine", f"expected one of vllm|tgi, got {self.engine!r}")
-        for name in ("tp", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(name, f"expected a positive integer, got {value!r}")
-        for name in ("max_model_len", "num_gpu_blocks_override", "max_batch_total_tokens"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(name, f"expected a positive integer or None, got {value!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(
-                "gpu_memory_utilization", f"expected a fraction in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        try:
-            check_tp(self.model, self.tp)
-        except ValueError as exc:
-            raise ConfigError("tp", str(exc)) from exc
-
-
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """``tokens`` new output tokens of ``request_id`` produced at ``now_s + duration_s``."""
-
-    request_id: str
-    tokens: int
-    first: bool
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutcome:
-    """What one planned step does; the caller applies it at ``now_s + duration_s``.
-
-    Events of a request aborted while the step runs should be dropped by the caller.
-    """
-
-    duration_s: float
-    emitted: tuple[TokenEvent, ...]
-    finished: tuple[str, ...]
-    preempted: tuple[str, ...]
-    scheduled_tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot of engine state and counters (the numbers a real engine exports on /metrics)."""
-
-    running: int
-    waiting: int
-    kv_usage_frac: float
-    used_blocks: int
-    num_gpu_blocks: int
-    num_preemptions_total: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    requests_finished_total: int
-    requests_aborted_total: int
-    batch_reserved_tokens: int
-    steps_total: int
-
-
-class _Request:
-    __slots__ = (
-        "request_id",
-        "prompt",
-        "output",
-        "reserve",
-        "computed",
-        "generated",
-        "blocks",
-        "arrival_s",
-        "started",
-        "event",
-    )
-
-    def __init__(self, request_id: str, prompt: int, output: int, reserve: int, arrival_s: float) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.output = output
-        self.reserve = reserve
-        self.computed = 0
-        self.generated = 0
-        self.blocks = 0
-        self.arrival_s = arrival_s
-        self.started = False
-        # TokenEvents are immutable, so one instance per request serves every decode step.
-        self.event = TokenEvent(request_id, 1, False)
+        self.event = TokenEvent(self.request_id, 1, False)
 
 
 class EngineModel:
-    """A vLLM- or TGI-like engine instance (see module docstring for the scheduling rules)."""
+    """A vLLM- or TGI-like engine (scheduling rules: module docstring); ``pool``: its KV blocks, read-only."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.block_size = config.block_size
-        if config.num_gpu_blocks_override is not None:
-            self.num_gpu_blocks = config.num_gpu_blocks_override
-        else:
-            cap = kv_capacity_tokens(
-                config.gpu,
-                config.model,
-                config.tp,
-                config.gpu_memory_utilization,
-                config.overhead_gib_per_gpu,
-            )
-            self.num_gpu_blocks = cap // config.block_size
+        self.num_gpu_blocks = config.num_gpu_blocks()
         self.kv_capacity_tokens = self.num_gpu_blocks * config.block_size
         self.max_model_len = config.max_model_len or config.model.max_model_len
         if self.max_model_len > self.kv_capacity_tokens:
@@ -206,23 +117,17 @@ class EngineModel:
             )
         chunked = config.enable_chunked_prefill and config.engine == "vllm"
         self._chunked = chunked
-        self._budget = (
-            config.max_num_batched_tokens
-            if chunked
-            else max(config.max_num_batched_tokens, self.max_model_len)
-        )
+        budget = config.max_num_batched_tokens
+        self._budget = budget if chunked else max(budget, self.max_model_len)
         self.cost: StepCost = step_cost(config.gpu, config.model, config.tp)
         self._requests: dict[str, _Request] = {}
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
-        self._free_blocks = self.num_gpu_blocks
-        self._reserved = 0
-        self._preemptions = 0
-        self._prompt_total = 0
-        self._generation_total = 0
-        self._finished_total = 0
-        self._aborted_total = 0
-        self._steps = 0
+        self.pool = BlockPool(self.num_gpu_blocks)
+        self._caching = config.enable_prefix_caching
+        self._tgi = config.engine == "tgi"
+        self._reserved = self._preemptions = self._steps = 0
+        self._prompt_total = self._generation_total = self._finished_total = self._aborted_total = 0
         self.slowdown_factor = 1.0
 
     def set_slowdown(self, factor: float) -> None:
@@ -241,12 +146,16 @@ class EngineModel:
         now_s: float,
         *,
         reserve_tokens: int | None = None,
+        block_hashes: Sequence[int] = (),
     ) -> None:
         """Queue a request that will generate exactly ``output_tokens`` tokens.
 
         ``reserve_tokens`` (TGI's max_new_tokens, ≥ output_tokens) is what TGI admission reserves;
-        it defaults to ``output_tokens``. Raises :class:`PromptTooLong` past ``max_model_len`` and
-        ValueError for a duplicate id or non-positive lengths.
+        it defaults to ``output_tokens``. ``block_hashes`` are the chained hashes of the prompt's full
+        blocks of ``block_size`` tokens (:func:`hetroute.prefix.hashing.token_block_hashes`), at most
+        ``prompt_tokens // block_size`` of them; they are ignored when prefix caching is off. Raises
+        :class:`PromptTooLong` past ``max_model_len`` and ValueError for a duplicate id, non-positive
+        lengths or more hashes than full prompt blocks.
         """
         if prompt_tokens < 1 or output_tokens < 1:
             raise ValueError(
@@ -257,7 +166,13 @@ class EngineModel:
             raise PromptTooLong(prompt_tokens, reserve, self.max_model_len)
         if request_id in self._requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        req = _Request(request_id, prompt_tokens, output_tokens, reserve, now_s)
+        if len(block_hashes) > prompt_tokens // self.block_size:
+            raise ValueError(
+                f"{len(block_hashes)} block hashes for a prompt of {prompt_tokens} tokens "
+                f"({prompt_tokens // self.block_size} full blocks of {self.block_size})"
+            )
+        hashes = tuple(block_hashes) if self._caching else ()
+        req = _Request(request_id, prompt_tokens, output_tokens, reserve, now_s, hashes)
         self._requests[request_id] = req
         self._waiting.append(req)
 
@@ -268,11 +183,9 @@ class EngineModel:
             return False
         if req.started:
             self._running.remove(req)
-            self._release(req)
         else:
             self._waiting.remove(req)
-            self._free_blocks += req.blocks
-            req.blocks = 0
+        self._release(req)
         self._aborted_total += 1
         return True
 
@@ -280,7 +193,7 @@ class EngineModel:
         return bool(self._running or self._waiting)
 
     def stats(self) -> EngineStats:
-        used = self.num_gpu_blocks - self._free_blocks
+        used = self.pool.used_blocks
         return EngineStats(
             running=len(self._running),
             waiting=len(self._waiting),
@@ -294,13 +207,15 @@ class EngineModel:
             requests_aborted_total=self._aborted_total,
             batch_reserved_tokens=self._reserved,
             steps_total=self._steps,
+            prefix_cache_queries_total=self.pool.queries_tokens,
+            prefix_cache_hits_total=self.pool.hits_tokens,
         )
 
     # ------------------------------------------------------------ the step
 
     def step(self, now_s: float) -> StepOutcome:
         """Plan one iteration starting at ``now_s`` and advance the state to its end."""
-        if self.config.engine == "tgi":
+        if self._tgi:
             scheduled, preempted = self._schedule_tgi(), list[str]()
         else:
             scheduled, preempted = self._schedule_vllm()
@@ -310,7 +225,11 @@ class EngineModel:
         return self._execute(scheduled, preempted)
 
     def _release(self, req: _Request) -> None:
-        self._free_blocks += req.blocks
+        if self._tgi and req.hashes:  # TGI caches a prefill when the request leaves the batch
+            self._register(req, req.computed)
+        self.pool.release(req.held, req.blocks - len(req.held))
+        req.held = []
+        req.cached = 0
         req.blocks = 0
         if req.started:
             self._reserved -= req.prompt + req.reserve
@@ -320,6 +239,7 @@ class EngineModel:
         bs = self.block_size
         budget = self._budget
         running = self._running
+        pool = self.pool
         scheduled: list[tuple[_Request, int]] = []
         preempted: list[str] = []
         append = scheduled.append
@@ -334,21 +254,12 @@ class EngineModel:
             end = computed + num_new
             if end > req.blocks * bs:  # needs new blocks (the common decode step does not)
                 need = -(-end // bs) - req.blocks
-                self_preempted = False
-                while need > self._free_blocks:
-                    victim = running.pop()  # the newest running request
-                    self._release(victim)
-                    victim.computed = 0
-                    self._waiting.appendleft(victim)
-                    preempted.append(victim.request_id)
-                    self._preemptions += 1
-                    if victim is req:
-                        self_preempted = True
-                        break
-                if self_preempted:
-                    break
-                self._free_blocks -= need
+                if need > pool.free_blocks and not self._preempt_for(need, req, preempted):
+                    break  # req itself was preempted
+                pool.allocate(need)
                 req.blocks += need
+            if req.cached < len(req.hashes):
+                self._register(req, end)
             append((req, num_new))
             budget -= num_new
         if preempted:
@@ -356,22 +267,40 @@ class EngineModel:
         waiting = self._waiting
         while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
             req = waiting[0]
-            num_new = req.prompt + req.generated - req.computed
+            hit = evictable = 0
+            if self._caching:  # vLLM recomputes the last token, so at most tokens - 1 can hit
+                hit, evictable = self._lookup(req, (req.prompt + req.generated - 1) // bs)
+            computed = hit * bs
+            num_new = req.prompt + req.generated - computed
             if not self._chunked and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            need = -(-(req.computed + num_new) // bs) - req.blocks
-            if need > self._free_blocks:
+            need = -(-(computed + num_new) // bs) - hit
+            if need + evictable > pool.free_blocks:
                 break
             waiting.popleft()
             running.append(req)
-            req.started = True
-            self._reserved += req.prompt + req.reserve
-            self._free_blocks -= need
-            req.blocks += need
+            self._admit(req, hit, need, computed)
+            if req.cached < len(req.hashes):
+                self._register(req, computed + num_new)
             scheduled.append((req, num_new))
             budget -= num_new
         return scheduled, preempted
+
+    def _preempt_for(self, need: int, req: _Request, preempted: list[str]) -> bool:
+        """Preempt the newest running requests until ``need`` blocks are free; False if ``req`` was one."""
+        running = self._running
+        while need > self.pool.free_blocks:
+            victim = running.pop()
+            self._release(victim)
+            victim.computed = 0
+            victim.preempted = True
+            self._waiting.appendleft(victim)
+            preempted.append(victim.request_id)
+            self._preemptions += 1
+            if victim is req:
+                return False
+        return True
 
     def _schedule_tgi(self) -> list[tuple[_Request, int]]:
         bs = self.block_size
@@ -381,25 +310,51 @@ class EngineModel:
         while waiting and len(self._running) < self.config.max_num_seqs:
             req = waiting[0]
             total = req.prompt + req.reserve
-            num_new = req.prompt
-            need = -(-total // bs)
+            hit, evictable = self._lookup(req, len(req.hashes)) if self._caching else (0, 0)
+            computed = min(hit * bs, req.prompt - 1)  # TGI recomputes one token of a fully cached prompt
+            num_new = req.prompt - computed
+            need = -(-total // bs) - hit
             if (
                 num_new > budget
                 or self._reserved + total > self.max_batch_total_tokens
-                or need > self._free_blocks
+                or need + evictable > self.pool.free_blocks
             ):
                 break
             waiting.popleft()
             self._running.append(req)
-            req.started = True
-            self._reserved += total
-            self._free_blocks -= need
-            req.blocks = need
+            self._admit(req, hit, need, computed)
             admitted.append((req, num_new))
             budget -= num_new
         if admitted:
             return admitted
         return [(req, 1) for req in self._running]
+
+    def _lookup(self, req: _Request, max_blocks: int) -> tuple[int, int]:
+        """``(hit blocks, evictable among them)`` of a waiting request; counts the query in tokens, as
+        vLLM does on every admission try (apart for a request preempted before)."""
+        hit, evictable = self.pool.lookup(req.hashes, max_blocks)
+        self.pool.record(req.prompt + req.generated, hit * self.block_size, preempted=req.preempted)
+        return hit, evictable
+
+    def _admit(self, req: _Request, hit: int, need: int, computed: int) -> None:
+        """Start ``req`` with its ``hit`` leading cached blocks shared and ``need`` new blocks."""
+        if hit:
+            shared = req.hashes[:hit]
+            self.pool.acquire(shared)
+            req.held = list(shared)
+        self.pool.allocate(need)
+        req.blocks = hit + need
+        req.cached = hit
+        req.computed = computed
+        req.started = True
+        self._reserved += req.prompt + req.reserve
+
+    def _register(self, req: _Request, tokens: int) -> None:
+        """Cache the prompt blocks of ``req`` that its first ``tokens`` tokens fill."""
+        stop = min(len(req.hashes), tokens // self.block_size)
+        if stop > req.cached:
+            self.pool.register(req.hashes, req.cached, stop, req.held)
+            req.cached = stop
 
     def _execute(self, scheduled: list[tuple[_Request, int]], preempted: list[str]) -> StepOutcome:
         prefill_tokens = 0

@@ -20,6 +20,7 @@ def test_vllm_fixture() -> None:
     assert (m.block_size, m.num_gpu_blocks, m.kv_capacity_tokens) == (32, 64, 2048)
     assert m.num_preemptions_total == 3.0
     assert m.batch_current_max_tokens is None
+    assert (m.prefix_cache_queries_total, m.prefix_cache_hits_total) == (18432.0, 2048.0)
 
 
 def test_tgi_fixture_has_no_kv_metric() -> None:
@@ -28,6 +29,7 @@ def test_tgi_fixture_has_no_kv_metric() -> None:
     assert m.num_requests_running == 32.0
     assert m.batch_current_max_tokens == 15872.0
     assert m.kv_usage_frac is None and m.kv_capacity_tokens is None and m.num_preemptions_total is None
+    assert m.prefix_cache_queries_total is None and m.prefix_cache_hits_total is None  # TGI has none
 
 
 def test_vllm_data_parallel_sums_counts_and_averages_kv() -> None:
@@ -60,3 +62,26 @@ def test_empty_text_gives_all_none() -> None:
 def test_malformed_text_raises() -> None:
     with pytest.raises(MetricsParseError):
         parse_vllm("vllm:num_requests_running{engine=0 3 4 5\n")
+
+
+def test_vllm_prefix_cache_counters_sum_over_engines_and_read_the_old_names() -> None:
+    text = (
+        "# TYPE vllm:prefix_cache_queries_total counter\n"
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0\n'
+        'vllm:prefix_cache_queries_total{engine="1",model_name="m"} 500.0\n'
+        "# TYPE vllm:prefix_cache_hits_total counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 640.0\n'
+        'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 0.0\n'
+    )
+    m = parse_vllm(text)
+    assert (m.prefix_cache_queries_total, m.prefix_cache_hits_total) == (1500.0, 640.0)
+    old = parse_vllm(
+        "# TYPE vllm:gpu_prefix_cache_queries_total counter\n"
+        'vllm:gpu_prefix_cache_queries_total{model_name="m"} 32.0\n'
+        "# TYPE vllm:gpu_prefix_cache_hits_total counter\n"
+        'vllm:gpu_prefix_cache_hits_total{model_name="m"} 16.0\n'
+    )
+    assert (old.prefix_cache_queries_total, old.prefix_cache_hits_total) == (32.0, 16.0)
+    # a V0 server's hit-rate gauge is not a token count: it is not read as one
+    v0 = parse_vllm('vllm:gpu_prefix_cache_hit_rate{model_name="m"} 0.5\n')
+    assert v0.prefix_cache_queries_total is None and v0.prefix_cache_hits_total is None
