@@ -149,6 +149,8 @@ def _metrics_of(engine: EngineModel, flavour: str, now_s: float) -> EngineMetric
         block_size=engine.block_size,
         num_gpu_blocks=engine.num_gpu_blocks,
         num_preemptions_total=float(s.num_preemptions_total),
+        prefix_cache_queries_total=float(s.prefix_cache_queries_total),
+        prefix_cache_hits_total=float(s.prefix_cache_hits_total),
     )
 
 
@@ -265,8 +267,18 @@ class _Run:
         self.backend_index[k] = e
         engine = self.engines[e]
         try:
+            blocks = (
+                segment_block_hashes(req.segments, engine.block_size)
+                if req.segments and engine.config.enable_prefix_caching
+                else ()
+            )
             engine.submit(
-                req.request_id, req.input_tokens, req.output_tokens, now_s, reserve_tokens=req.max_tokens
+                req.request_id,
+                req.input_tokens,
+                req.output_tokens,
+                now_s,
+                reserve_tokens=req.max_tokens,
+                block_hashes=blocks,
             )
         except PromptTooLong:
             self.router.release(ticket)
@@ -518,5 +530,23 @@ def _result(run: _Run, label: str, predictor: str, events: int, wall_s: float) -
         wall_s=wall_s,
         ledger_zero=run.router.ledger.is_zero(),
         learned=run.learner,
+        extra=_prefix_extra(run),
         **run.admission_result(),
     )
+
+
+def _prefix_extra(run: _Run) -> dict[str, float]:
+    """Prefix-cache figures of a run: the engines' hits and queries (tokens) and the router's index."""
+    stats = [engine.stats() for engine in run.engines]
+    out = {
+        "prefix_cache_queries_tokens": float(sum(s.prefix_cache_queries_total for s in stats)),
+        "prefix_cache_hits_tokens": float(sum(s.prefix_cache_hits_total for s in stats)),
+    }
+    prefix = run.router.prefix
+    if prefix is not None:
+        out["prefix_expected_hit_ratio"] = prefix.expected_hit_tokens_total / max(
+            prefix.input_tokens_total, 1.0
+        )
+        out["prefix_index_bytes"] = float(prefix.index.memory_bytes())
+        out["prefix_index_chunks"] = float(prefix.index.total_chunks())
+    return out
