@@ -106,7 +106,7 @@ def sim_run(fleet: Any, workload: Sequence[Any], policy: str, learning: bool) ->
 
 def sim_part(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    workloads = [w for w in WORKLOADS if w != "mooncake" or TRACE.is_file()]
+    workloads = [w for w in args.workloads if w != "mooncake" or TRACE.is_file()]
     for fleet_name in args.fleets:
         fleet = fleet_of(fleet_name, args.blind)
         max_len = MAX_MODEL_LEN
@@ -205,7 +205,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=("sim", "gateway"), default="sim")
     p.add_argument("--fleets", type=lambda s: s.split(","), default=list(FLEETS))
-    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS))
+    p.add_argument("--requests", type=int, default=2000, help="requests per run (gateway: use ~400)")
+    p.add_argument("--speedup", type=float, default=4.0, help="gateway: emulated time runs this much faster")
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     p.add_argument("--loads", type=lambda s: [float(x) for x in s.split(",")], default=[0.7, 1.2])
     p.add_argument("--blind", action="store_true", help="nothing known: house model names, no GPU labels")

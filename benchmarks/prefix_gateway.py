@@ -1,0 +1,191 @@
+"""The gateway half of benchmarks/prefix.py: real gateways in front of emulated engines on 127.0.0.1.
+
+Per (fleet, workload, load, policy): fresh emulators (one per instance, vLLM prefix caching on, time
+sped up ``--speedup`` times), a fresh ``hetroute serve`` with that policy and its defaults (learning
+on, prefix index on), then the workload's requests as streamed ``/v1/completions`` whose prompt text
+shares exactly the workload's segments (``sim/prompt_text.py``; the OpenAI ``user`` field carries the
+session). Reported in model seconds (wall × speedup) like the simulator: throughput, TTFT p50/p99, the
+engines' hit rate from their own ``vllm:prefix_cache_*_total`` counters, the router's estimate and its
+index memory from the gateway's ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+HETROUTE = [sys.executable, "-m", "hetroute"]
+
+
+def _metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def _send(
+    session: Any, url: str, model: str, req: Any, prompt: str, start: float, k: float
+) -> tuple[float, float]:
+    import aiohttp
+
+    await asyncio.sleep(max(0.0, start + req.arrival_s / k - time.monotonic()))
+    sent = time.monotonic()
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": req.output_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    if req.session:
+        body["user"] = req.session
+    first = math.nan
+    try:
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=600)) as r:
+            if r.status != 200:
+                await r.read()
+                return math.nan, math.nan
+            async for _ in r.content.iter_any():
+                if math.isnan(first):
+                    first = time.monotonic()
+    except (TimeoutError, aiohttp.ClientError):
+        return math.nan, math.nan
+    return (first - sent) * k, (time.monotonic() - start) * k
+
+
+async def one_run(
+    fleet: Any, workload: list[Any], policy: str, params: dict[str, object], k: float
+) -> dict[str, Any]:
+    import aiohttp
+    import yaml
+
+    from hetroute.sim.prompt_text import PromptRenderer
+
+    sys.path.insert(0, str(HERE))
+    from policies_gateway import free_port, wait_ready
+
+    renderer = PromptRenderer()
+    prompts = [renderer.completion_prompt(r) for r in workload]
+    model = fleet.backends[0].models[0]
+    procs: list[asyncio.subprocess.Process] = []
+    tmp = Path(tempfile.mkdtemp(prefix="hetroute-prefix-"))
+    try:
+        entries, emu_urls = [], []
+        for i, b in enumerate(fleet.backends):
+            port = free_port()
+            cmd = [*HETROUTE, "emulate", "--gpu", str(b.gpu), "--model", model, "--tp", str(b.tp)]
+            cmd += ["--port", str(port), "--speedup", f"{k:g}", "--seed", str(i)]
+            procs.append(
+                await asyncio.create_subprocess_exec(
+                    *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+                )
+            )
+            url = f"http://127.0.0.1:{port}"
+            emu_urls.append(url)
+            entries.append(
+                {"name": b.name, "url": url, "engine": "vllm", "models": [model],
+                 "labels": {"gpu": str(b.gpu), "tp": str(b.tp)}}
+            )  # fmt: skip
+        gw_port = free_port()
+        config = {
+            "server": {"host": "127.0.0.1", "port": gw_port, "access_log": False},
+            "policy": {"type": policy, "params": params},
+            "scrape": {"interval_s": max(0.05, 1.0 / k)},
+            "learning": {"refit_interval_s": 1.0 / k, "half_life_s": 30.0 / k},
+            "backends": entries,
+        }
+        cfg = tmp / "router.yaml"
+        cfg.write_text(yaml.safe_dump(config), encoding="utf-8")
+        procs.append(
+            await asyncio.create_subprocess_exec(
+                *HETROUTE, "serve", "--config", str(cfg), "--log-level", "ERROR",
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            )
+        )  # fmt: skip
+        gw = f"http://127.0.0.1:{gw_port}"
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn) as s:
+            for url in emu_urls:
+                await wait_ready(s, url)
+            await wait_ready(s, gw)
+            start = time.monotonic() + 0.5
+            results = await asyncio.gather(
+                *(
+                    _send(s, gw + "/v1/completions", model, r, p, start, k)
+                    for r, p in zip(workload, prompts, strict=True)
+                )
+            )
+            hits = queries = 0.0
+            for url in emu_urls:
+                async with s.get(url + "/metrics") as r:
+                    text = await r.text()
+                hits += _metric(text, "vllm:prefix_cache_hits_total")
+                queries += _metric(text, "vllm:prefix_cache_queries_total")
+            async with s.get(gw + "/metrics") as r:
+                gw_text = await r.text()
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.terminate()
+        for p in procs:
+            await p.wait()
+    ttft = np.array([t for t, _ in results], dtype=np.float64)
+    ends = np.array([e for _, e in results], dtype=np.float64)
+    done = ~np.isnan(ends)
+    tokens = sum(r.input_tokens + r.output_tokens for r, ok in zip(workload, done, strict=True) if ok)
+    makespan = float(np.nanmax(ends)) - workload[0].arrival_s if done.any() else math.nan
+    return {
+        "throughput_tok_s": tokens / makespan if makespan > 0 else 0.0,
+        "ttft_p50_s": float(np.nanpercentile(ttft, 50)),
+        "ttft_p99_s": float(np.nanpercentile(ttft, 99)),
+        "engine_hit_rate": hits / queries if queries else 0.0,
+        "router_hit_estimate": _metric(gw_text, "hetroute_prefix_expected_hit_ratio"),
+        "router_index_mib": _metric(gw_text, "hetroute_prefix_index_bytes") / 2**20,
+        "completed": int(done.sum()),
+        "requests": len(workload),
+    }
+
+
+def gateway_part(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from prefix import MAX_MODEL_LEN, POLICIES, fleet_of, mean_tokens, sim_run, workload_of
+
+    rows: list[dict[str, Any]] = []
+    for fleet_name in args.fleets:
+        fleet = fleet_of(fleet_name, False)
+        base = workload_of("no-sharing", 2000, math.inf, 0, MAX_MODEL_LEN)
+        capacity = sim_run(fleet, base, "default-no-prefix", True)["throughput_tok_s"]
+        print(f"{fleet_name}: simulated no-sharing capacity {capacity:,.0f} tokens/s", flush=True)
+        for kind in args.workloads:
+            probe = workload_of(kind, args.requests, math.inf, 0, MAX_MODEL_LEN)
+            for load in args.loads:
+                rate = load * capacity / mean_tokens(probe)
+                for seed in args.seeds:
+                    wl = workload_of(kind, args.requests, rate, seed, MAX_MODEL_LEN)
+                    for policy, (name, params) in POLICIES.items():
+                        started = time.perf_counter()
+                        row = asyncio.run(one_run(fleet, wl, name, dict(params), args.speedup))
+                        row.update(
+                            policy=policy, fleet=fleet_name, workload=kind, load=load, rate=rate, seed=seed
+                        )
+                        rows.append(row)
+                        print(
+                            f"  {kind:14s} load {load:.2f} seed {seed} {policy:18s} "
+                            f"{row['throughput_tok_s']:9,.0f} tok/s  ttft p50 {row['ttft_p50_s']:7.3f} "
+                            f"p99 {row['ttft_p99_s']:7.3f}  hit {row['engine_hit_rate']:.3f} "
+                            f"(router {row['router_hit_estimate']:.3f}, {row['router_index_mib']:.1f} MiB) "
+                            f"done {row['completed']}/{row['requests']} "
+                            f"[{time.perf_counter() - started:.0f}s]",
+                            flush=True,
+                        )
+    return rows
