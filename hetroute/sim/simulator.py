@@ -530,9 +530,13 @@ def _result(run: _Run, label: str, predictor: str, events: int, wall_s: float) -
         wall_s=wall_s,
         ledger_zero=run.router.ledger.is_zero(),
         learned=run.learner,
-        extra=_prefix_extra(run),
-        **run.admission_result(),
+        **_with_prefix_extra(run, run.admission_result()),
     )
+
+
+def _with_prefix_extra(run: _Run, fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` (the admission queue's result fields) with the prefix figures merged into ``extra``."""
+    return {**fields, "extra": {**fields.get("extra", {}), **_prefix_extra(run)}}
 
 
 def _prefix_extra(run: _Run) -> dict[str, float]:
