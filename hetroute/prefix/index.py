@@ -9,7 +9,8 @@ Structure (memory and time bounded):
 
 - ``_holders``: chunk hash → bit mask of the backends assumed to hold it (one dict entry per distinct
   chunk, whatever the number of backends).
-- ``_lru[b]``: per-backend recency order of its chunks (an insertion-ordered dict used as an LRU).
+- ``_lru[b]``: per-backend recency order of its chunks (an ``OrderedDict``: O(1) touch and eviction;
+  a plain dict degrades when its front is popped repeatedly).
   Each backend holds at most ``capacity_chunks[b]`` chunks: its KV capacity in chunks, since an engine
   cannot cache more than its KV cache holds. Beyond it the least recently used chunk is dropped, tail
   of a prompt before its head (a chain is touched tail first), as vLLM evicts.
@@ -27,6 +28,7 @@ counters.
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -60,7 +62,7 @@ class PrefixIndex:
             raise ValueError(f"max_chunks must be ≥ 1, got {max_chunks}")
         self._n = len(capacity_chunks)
         self._holders: dict[int, int] = {}
-        self._lru: list[dict[int, float]] = [{} for _ in range(self._n)]
+        self._lru: list[OrderedDict[int, float]] = [OrderedDict() for _ in range(self._n)]
         self._capacity = [max(1, int(c)) if c == c else max_chunks for c in capacity_chunks]
         self._ttl_s = ttl_s
         self._max_chunks = max_chunks
@@ -93,11 +95,12 @@ class PrefixIndex:
         for h in hashes:
             held = holders.get(h, 0) & mask
             if held != mask:
-                dropped = mask & ~held
-                while dropped:
-                    low = dropped & -dropped
-                    out[low.bit_length() - 1] = depth
-                    dropped ^= low
+                if depth:  # backends dropping out at depth 0 keep their 0
+                    dropped = mask & ~held
+                    while dropped:
+                        low = dropped & -dropped
+                        out[low.bit_length() - 1] = depth
+                        dropped ^= low
                 mask = held
                 if not mask:
                     return self._expire_check(hashes, out, now_s)
@@ -117,6 +120,8 @@ class PrefixIndex:
         cutoff = now_s - self._ttl_s
         for b in np.flatnonzero(out).tolist():
             lru = self._lru[b]
+            if next(iter(lru.values())) >= cutoff:  # its oldest entry is fresh: nothing there expired
+                continue
             depth = int(out[b])
             if lru.get(hashes[depth - 1], cutoff - 1.0) >= cutoff:
                 continue
@@ -133,13 +138,17 @@ class PrefixIndex:
         lru = self._lru[backend]
         bit = 1 << backend
         holders = self._holders
+        added = 0
+        move = lru.move_to_end
         for h in reversed(hashes):  # tail first: the head ends most recent, so it is evicted last
             if h in lru:
-                del lru[h]
+                lru[h] = now_s
+                move(h)
             else:
+                lru[h] = now_s
                 holders[h] = holders.get(h, 0) | bit
-                self._count += 1
-            lru[h] = now_s
+                added += 1
+        self._count += added
         self._trim(backend)
         cutoff = now_s - self._ttl_s
         while lru and next(iter(lru.values())) < cutoff:  # the oldest first: O(expired)
@@ -158,12 +167,10 @@ class PrefixIndex:
             else:
                 holders.pop(h, None)
         self._count -= len(self._lru[backend])
-        self._lru[backend] = {}
+        self._lru[backend] = OrderedDict()
 
     def _drop_oldest(self, backend: int) -> None:
-        lru = self._lru[backend]
-        h = next(iter(lru))
-        del lru[h]
+        h, _ = self._lru[backend].popitem(last=False)
         self._count -= 1
         left = self._holders.get(h, 0) & ~(1 << backend)
         if left:

@@ -67,10 +67,12 @@ class PrefixState:
 
     def matched_tokens(self, features: RequestFeatures, now_s: float) -> FloatArray | None:
         """Tokens of ``features``' prompt each backend is estimated to hold (before trust); None when
-        the request has no full chunk."""
+        the request has no full chunk or no backend holds any of it."""
         if not features.prefix_hashes:
             return None
         chunks = self.index.matched_chunks(features.prefix_hashes, now_s)
+        if not chunks.any():
+            return None  # nothing cached anywhere: the decision is the one without the prefix term
         cap = max(float(features.input_tokens) - 1.0, 0.0)
         out: FloatArray = np.minimum(chunks * features.prefix_chunk_tokens, cap)
         out.flags.writeable = False
