@@ -115,20 +115,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
         )
     traced, estimate = memory_mib()
-    doc = {"machine": platform.platform(), "python": sys.version.split()[0], "decisions": args.decisions,
-           "route_release": rows, "index_100k_prompts_mib": {"tracemalloc": traced, "estimate": estimate}}  # fmt: skip
+    doc = {
+        "machine": platform.platform(),
+        "python": sys.version.split()[0],
+        "decisions": args.decisions,
+        "route_release": rows,
+        "index_100k_prompts_mib": {"tracemalloc": traced, "estimate": estimate},
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "prefix_cost.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     lines = [
-        f"# Prefix routing cost ({platform.machine()}, Python {sys.version.split()[0]}, {args.decisions} decisions)",
+        f"# Prefix routing cost ({platform.machine()}, Python {sys.version.split()[0]}, "
+        f"{args.decisions} decisions)",
         "",
-        "| backends | decide p50 off (µs) | on | added | route+release p50 off | on | added | p99 off | p99 on |",
+        "| backends | decide p50 off (µs) | on | added | route+release p50 off | on | added "
+        "| p99 off | p99 on |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['backends']} | {r['decide_off_p50_us']:.1f} | {r['decide_on_p50_us']:.1f} "
-            f"| {r['decide_added_p50_us']:.1f} | {r['off_p50_us']:.1f} | {r['on_p50_us']:.1f} | {r['added_p50_us']:.1f} "
+            f"| {r['decide_added_p50_us']:.1f} | {r['off_p50_us']:.1f} | {r['on_p50_us']:.1f} "
+            f"| {r['added_p50_us']:.1f} "
             f"| {r['off_p99_us']:.1f} | {r['on_p99_us']:.1f} |"
         )
     lines += ["", f"Index memory, 100,000 distinct 4-chunk prompts over 8 backends: {traced:.1f} MiB "

@@ -38,7 +38,8 @@ def test_on_shared_system_prompts_the_default_keeps_the_cache_hits_and_the_throu
     rr = run_simulation(fleet, wl, "round_robin", {})
     ca = run_simulation(fleet, wl, "cache_aware", {})
     assert _hit(default) >= 0.95 * _hit(ca)
-    assert default.throughput_tokens_per_s >= 0.97 * max(rr.throughput_tokens_per_s, ca.throughput_tokens_per_s)
+    best = max(rr.throughput_tokens_per_s, ca.throughput_tokens_per_s)
+    assert default.throughput_tokens_per_s >= 0.97 * best
     # The router's estimate of its hits is close to the engines' own counters.
     assert abs(default.extra["prefix_expected_hit_ratio"] - _hit(default)) < 0.1
     assert default.ledger_zero
