@@ -195,9 +195,9 @@ class MinMaxPolicy:
                 candidates, snapshot.prefill_pending_tokens[candidates], params
             )
         if self.ttft_weight > 0.0:
-            out = out + self.ttft_weight * self.models.prefill_s(
-                candidates, features.input_tokens, params, cached
-            )
+            # κ weights the backend's prefill speed for the whole prompt (a hardware tie-break), not
+            # the tokens a cache would save: weighted 8× those made affinity overpower balance.
+            out = out + self.ttft_weight * self.models.prefill_s(candidates, features.input_tokens, params)
         return out
 
     def choose(

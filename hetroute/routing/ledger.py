@@ -50,7 +50,8 @@ class Ticket:
     context_at_first: float = 0.0
     prefill_tokens: int = 0
     """Prompt tokens the engine is expected to prefill: ``input_tokens`` less the tokens expected in its
-    prefix cache (the router's estimate at dispatch); what ``prefill_pending_tokens`` counts."""
+    prefix cache (the router's estimate at dispatch); the latency learner fits prefill on it.
+    ``prefill_pending_tokens`` still counts the whole prompt (docs/prefix.md, "The cost model")."""
 
 
 class Ledger:
@@ -101,7 +102,7 @@ class Ledger:
         """Record a request sent to ``backend_index``; returns the ticket to release later.
 
         ``prefill_tokens`` (default ``input_tokens``) is the part of the prompt expected to need
-        prefill (the rest is expected in the engine's prefix cache)."""
+        prefill (the rest is expected in the engine's prefix cache); it is recorded on the ticket."""
         i = backend_index
         prefill = input_tokens if prefill_tokens is None else max(0, min(prefill_tokens, input_tokens))
         ahead = float(self.prefill_pending_tokens[i])
@@ -110,7 +111,7 @@ class Ledger:
         self.remaining_predicted_tokens[i] += predicted_output_tokens
         self.predicted_output_tokens_in_flight[i] += predicted_output_tokens
         self.workload[i] += workload_cost
-        self.prefill_pending_tokens[i] += prefill
+        self.prefill_pending_tokens[i] += input_tokens
         self.dispatched_total[i] += 1
         self._in_flight += 1
         return Ticket(
@@ -136,7 +137,7 @@ class Ledger:
         if ticket.first_token_at_s is None and not ticket.released:
             i = ticket.backend_index
             ticket.first_token_at_s = now_s
-            self.prefill_pending_tokens[i] -= ticket.prefill_tokens
+            self.prefill_pending_tokens[i] -= ticket.input_tokens
             ticket.in_flight_at_first = float(self.requests_in_flight[i])
             context = self.input_tokens_in_flight[i] + self.generated_tokens_in_flight[i]
             ticket.context_at_first = float(context)
@@ -169,7 +170,7 @@ class Ledger:
         self.predicted_output_tokens_in_flight[i] -= ticket.predicted_output_tokens
         self.workload[i] -= ticket.workload_cost
         if ticket.first_token_at_s is None:
-            self.prefill_pending_tokens[i] -= ticket.prefill_tokens
+            self.prefill_pending_tokens[i] -= ticket.input_tokens
         self.released_total[i] += 1
         self._in_flight -= 1
         if self.requests_in_flight[i] == 0:
