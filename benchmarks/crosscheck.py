@@ -41,6 +41,7 @@ from hetroute.sim.cluster_file import Fleet, build_fleet
 from hetroute.sim.emulator import build_emulator_app, run_emulator
 from hetroute.sim.emulator_text import filler_prompt
 from hetroute.sim.engine_model import EngineModel
+from hetroute.sim.prompt_text import PromptRenderer
 from hetroute.sim.scenarios import get_scenario
 from hetroute.sim.simulator import run_simulation
 from hetroute.sim.workload import SimRequest, generate_workload, parse_rate
@@ -96,14 +97,23 @@ def gateway_config(
     }
 
 
+_RENDER = PromptRenderer()
+
+
 async def _send(session: aiohttp.ClientSession, url: str, model: str, req: SimRequest) -> tuple[int, str]:
-    body = {
+    body: dict[str, object] = {
         "model": model,
-        "prompt": filler_prompt(req.input_tokens, req.request_id),  # no shared prefix
+        # A workload with prompt segments shares exactly those prefixes (the engines cache them, as in
+        # the simulator); without, no two prompts share a block.
+        "prompt": _RENDER.completion_prompt(req)
+        if req.segments
+        else filler_prompt(req.input_tokens, req.request_id),
         "max_tokens": req.output_tokens,
         "ignore_eos": True,
         "stream": False,
     }
+    if req.session:
+        body["user"] = req.session
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         data = await resp.json()
         if resp.status != 200:
