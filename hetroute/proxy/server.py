@@ -242,6 +242,12 @@ class Gateway:
                     "model_sources": sources[i],
                     "profile": profile,
                     "learned_model": learner.describe(i) if learner is not None else None,
+                    "prefix_index": None
+                    if router.prefix is None
+                    else {
+                        "chunks": router.prefix.index.chunks(i),
+                        "trust": round(float(router.prefix.trust.trust[i]), 4),
+                    },
                 }
             )
         body = {"policy": router.policy.name, "in_flight": router.ledger.in_flight(), "backends": out}

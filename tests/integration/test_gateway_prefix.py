@@ -45,6 +45,10 @@ async def test_requests_sharing_a_long_prefix_follow_the_backend_that_caches_it(
         # An unrelated prompt is free to go anywhere; the index now holds both prompts' chunks.
         await _complete(s, gw, "Something else entirely. " * 40)
     assert metric_sum(gw, "hetroute_prefix_index_chunks", backend=first) >= 13
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/admin/backends") as r:
+        admin = await r.json()
+    shown = {b["name"]: b["prefix_index"] for b in admin["backends"]}
+    assert shown[first]["chunks"] >= 13 and 0.05 <= shown[first]["trust"] <= 1.0
     assert 0.5 < metric_sum(gw, "hetroute_prefix_expected_hit_ratio") < 1.0
     assert metric_sum(gw, "hetroute_prefix_index_bytes") > 0
     assert gw.ledger.is_zero()
