@@ -117,8 +117,8 @@ async def one_run(
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn) as s:
             for url in emu_urls:
-                await wait_ready(s, url)
-            await wait_ready(s, gw)
+                await wait_ready(s, url + "/health")
+            await wait_ready(s, gw + "/v1/models")
             start = time.monotonic() + 0.5
             results = await asyncio.gather(
                 *(
