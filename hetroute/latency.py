@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from hetroute.errors import HetrouteError
+
 SCHEMA_VERSION = 1
 PARAM_NAMES = ("p1", "p2", "p3", "p4", "p5", "p6", "p7", "p8")
 PROFILE_SOURCES = ("profiled", "roofline-prior", "live")
@@ -29,8 +31,10 @@ PROFILE_SOURCES = ("profiled", "roofline-prior", "live")
 ``live``: learned from served traffic by the router (``hetroute serve --state-dir``)."""
 
 
-class ProfileError(ValueError):
-    """A profile artifact is unreadable, corrupt or of an incompatible schema."""
+class ProfileError(HetrouteError, ValueError):
+    """A profile artifact is unreadable, corrupt or of an incompatible schema.
+
+    Still a ``ValueError`` for callers that catch that."""
 
     def __init__(self, source: str, field_path: str, message: str) -> None:
         super().__init__(f"{source}: {field_path}: {message}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -147,3 +147,45 @@ def metric_sum(gw: Gateway, sample_name: str, **labels: str) -> float:
             if sample.name == sample_name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+REAL_ENGINE_MARK = "real_engine"
+_CATEGORIES = (("passed", "passed"), ("skipped", "skipped"), ("failed", "failed"), ("error", "failed"))
+_RANK = {"passed": 0, "skipped": 1, "failed": 2}
+
+
+def real_engine_summary(stats: Mapping[str, Sequence[object]]) -> str:
+    """One line on what the real_engine tier did in a run, from the terminal reporter's ``stats``.
+
+    Each test counts once, by its worst phase (an error at set-up counts as failed); the line says
+    why tests skipped, or that the real engine was not installed."""
+    outcome: dict[str, str] = {}
+    reasons: list[str] = []
+    for category, kind in _CATEGORIES:
+        for report in stats.get(category, ()):
+            if not isinstance(report, pytest.TestReport) or REAL_ENGINE_MARK not in report.keywords:
+                continue
+            if _RANK[kind] >= _RANK[outcome.get(report.nodeid, "passed")]:
+                outcome[report.nodeid] = kind
+            if kind == "skipped" and isinstance(report.longrepr, tuple):
+                reasons.append(str(report.longrepr[2]).removeprefix("Skipped: "))
+            elif kind == "failed" and "REAL ENGINE NOT INSTALLED" in report.longreprtext:
+                reasons.append(report.longreprtext.strip().splitlines()[-1])
+    head = "real_engine tier:"
+    if not outcome:
+        deselected = [
+            item
+            for item in stats.get("deselected", ())
+            if isinstance(item, pytest.Item) and item.get_closest_marker(REAL_ENGINE_MARK)
+        ]
+        return f"{head} {len(deselected)} deselected, none ran" if deselected else f"{head} not in this run"
+    n = {kind: sum(1 for o in outcome.values() if o == kind) for kind in _RANK}
+    line = f"{head} {n['passed']} passed / {n['failed']} failed / {n['skipped']} skipped"
+    if reasons:
+        line += f" ({'failed' if n['failed'] else 'skipped because'}: {'; '.join(dict.fromkeys(reasons))})"
+    return line
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    terminalreporter.write_line(real_engine_summary(terminalreporter.stats))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from hetroute.errors import HetrouteError
 from hetroute.types import EngineKind, EngineMetrics
 
 # field -> (metric sample names, in order of preference; how samples combine)
@@ -45,8 +46,8 @@ _TABLES: dict[EngineKind, tuple[_Table, ...]] = {
 }
 
 
-class MetricsParseError(ValueError):
-    """The text is not valid Prometheus exposition format."""
+class MetricsParseError(HetrouteError, ValueError):
+    """The text is not valid Prometheus exposition format (still a ``ValueError``)."""
 
 
 @dataclass(slots=True)

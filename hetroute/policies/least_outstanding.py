@@ -1,16 +1,27 @@
-"""``least_outstanding``: fewest in-flight requests, with power-of-two choices.
+"""``least_outstanding``: Envoy's weighted least request load balancer.
 
-Equal weights — P2C (Mitzenmacher; Envoy's least-request LB): draw ``choice_count``
-(default 2) distinct candidates at random and take the one with the fewest requests in
-flight (``snapshot.requests_in_flight``); ties go to the first drawn.
+Envoy's rule (docs: intro/arch_overview/upstream/load_balancing/load_balancers, "Weighted least
+request") depends on whether the hosts' weights are equal; here "the hosts" are the request's
+candidates (the available backends serving its model: Envoy's cluster).
 
-Unequal weights — Envoy's weighted least request, evaluated over every candidate:
+Equal weights — P2C (Mitzenmacher): draw ``choice_count`` (default 2) distinct candidates at
+random and take the one with the fewest requests in flight (``snapshot.requests_in_flight``);
+ties go to the first drawn.
+
+Unequal weights — a weighted round robin schedule whose weights are recomputed from the load
+at every pick:
     effective_i = w_i / (active_i + 1) ** bias        (bias default 1.0)
-and the candidate with the largest effective weight wins (ties: seeded random). With
-bias 0 this degrades to "always the heaviest backend", so keep bias > 0.
+scheduled by smooth weighted round robin (as ``weighted_round_robin``) over the candidates:
+    current_i += effective_i for i in C;  pick c = argmax current_i;  current_c -= Σ_{i in C} effective_i
+(ties: the lowest index). It is not an argmax of ``effective``: every candidate keeps a share in
+proportion to its effective weight, so a loaded backend gets fewer requests but never none. With
+no load the shares are exactly the weights (3:1 weights give 3 of every 4 picks); with bias 0 the
+load is ignored and this is plain smooth WRR. Envoy implements the schedule with an
+earliest-deadline-first scheduler; the smooth form reads every candidate's load at each pick and
+handles per-request candidate sets. Either way each backend's share follows its effective weight.
 
-Params: ``choice_count`` (int ≥ 2), ``bias`` (≥ 0), ``weights`` (as weighted_round_robin),
-``seed``.
+Params: ``choice_count`` (int ≥ 2), ``bias`` (≥ 0, Envoy's ``active_request_bias``), ``weights``
+(as weighted_round_robin), ``seed`` (the P2C draws; the weighted schedule is deterministic).
 """
 
 from __future__ import annotations
@@ -20,19 +31,12 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from hetroute.policies.base import (
-    PolicyContext,
-    check_known,
-    read_backend_weights,
-    read_float,
-    read_int,
-    seeded_choice,
-)
+from hetroute.policies.base import PolicyContext, check_known, read_backend_weights, read_float, read_int
 from hetroute.types import ClusterSnapshot, FloatArray, IntArray, RequestFeatures, RoutingDecision
 
 
 class LeastOutstanding:
-    """P2C on in-flight requests; Envoy weighted least request when weights differ."""
+    """P2C on in-flight requests; with unequal weights, smooth WRR over ``w / (active+1)^bias``."""
 
     name = "least_outstanding"
 
@@ -40,10 +44,10 @@ class LeastOutstanding:
         self, weights: tuple[float, ...], rng: random.Random, *, choice_count: int = 2, bias: float = 1.0
     ):
         self.weights: FloatArray = np.array(weights, dtype=np.float64)
-        self.weighted = len(set(weights)) > 1
         self.choice_count = choice_count
         self.bias = bias
         self._rng = rng
+        self._current: FloatArray = np.zeros(len(weights), dtype=np.float64)
 
     @classmethod
     def from_config(cls, params: Mapping[str, object], ctx: PolicyContext) -> LeastOutstanding:
@@ -62,13 +66,16 @@ class LeastOutstanding:
         if len(candidates) == 1:
             index = int(candidates[0])
             return RoutingDecision(index=index, reason="only candidate")
-        if not self.weighted:
+        w = self.weights[candidates]
+        if np.all(w == w[0]):
             k = min(self.choice_count, len(candidates))
             drawn = self._rng.sample(range(len(candidates)), k)
             best = min(drawn, key=lambda j: int(active[candidates[j]]))
             index = int(candidates[best])
             return RoutingDecision(index=index, reason=f"P2C: {int(active[index])} in flight")
-        eff = self.weights[candidates] / np.power(active[candidates] + 1.0, self.bias)
-        top = candidates[eff == eff.max()]
-        index = seeded_choice(self._rng, top) if len(top) > 1 else int(top[0])
-        return RoutingDecision(index=index, reason=f"weighted least request: w/(active+1)^{self.bias:g}")
+        eff = w / np.power(active[candidates] + 1.0, self.bias)
+        self._current[candidates] += eff
+        index = int(candidates[int(np.argmax(self._current[candidates]))])
+        self._current[index] -= float(eff.sum())
+        reason = f"weighted least request: WRR on w/(active+1)^{self.bias:g}, {int(active[index])} in flight"
+        return RoutingDecision(index=index, reason=reason)

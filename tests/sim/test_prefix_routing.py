@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from hetroute.sim.cluster_file import build_fleet, parse_cluster
@@ -9,7 +11,7 @@ from hetroute.sim.prefix_workloads import generate_prefix_workload
 from hetroute.sim.scenarios import get_scenario
 from hetroute.sim.simulator import run_simulation
 
-TWINS = {
+TWINS: dict[str, Any] = {
     "name": "twins",
     "defaults": {"model": "Llama-3-8B", "engine": "vllm"},
     "instances": [{"name": "a100", "gpu": "A100-80GB", "tp": 1, "count": 2}],

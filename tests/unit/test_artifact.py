@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
+from hetroute.errors import HetrouteError
 from hetroute.latency import LatencyParams, ProfileError, load_profile, profile_to_dict, save_profile
 from profiling.artifact import build_profile, judge, sweep_summary
 from profiling.calibrate import Calibration, PromptMaker
@@ -135,6 +136,15 @@ def test_truncated_yaml_names_the_file(tmp_path: Path) -> None:
     path.write_text("schema_version: 1\nparams: {p1: [")
     with pytest.raises(ProfileError, match="trunc.yaml: <file>: not valid YAML"):
         load_profile(path)
+
+
+def test_profile_error_is_a_hetroute_error_and_still_a_value_error(tmp_path: Path) -> None:
+    path = tmp_path / "missing.yaml"
+    with pytest.raises(HetrouteError) as err:
+        load_profile(path)
+    assert isinstance(err.value, ProfileError) and isinstance(err.value, ValueError)
+    assert str(err.value).startswith(f"{path}: <file>: cannot read")
+    assert err.value.source == str(path) and err.value.field_path == "<file>"
 
 
 METRICS = """# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig

@@ -118,7 +118,8 @@ def _mount_path(volume_name: str) -> str:
 
 
 def _volume(name: str) -> dict[str, Any]:
-    (volume,) = [v for v in POD["volumes"] if v["name"] == name]
+    found: list[dict[str, Any]] = [v for v in POD["volumes"] if v["name"] == name]
+    (volume,) = found
     return volume
 
 
@@ -357,7 +358,7 @@ ROUTERS = ("router-1", "router-2")
 
 def _compose_mount(service: str, target: str) -> Path:
     for volume in SERVICES[service].get("volumes", []):
-        source, _, rest = volume.partition(":")
+        source, _, rest = str(volume).partition(":")
         if rest.split(":")[0] == target:
             return (COMPOSE_DIR / source).resolve()  # relative to the compose file's folder
     raise AssertionError(f"{service} does not mount {target}")

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from hetroute.backends.engines import MetricsParseError, parse_metrics, parse_tgi, parse_vllm
+from hetroute.errors import HetrouteError
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 
@@ -60,8 +61,9 @@ def test_empty_text_gives_all_none() -> None:
 
 
 def test_malformed_text_raises() -> None:
-    with pytest.raises(MetricsParseError):
+    with pytest.raises(MetricsParseError, match="^invalid Prometheus text: ") as err:
         parse_vllm("vllm:num_requests_running{engine=0 3 4 5\n")
+    assert isinstance(err.value, HetrouteError) and isinstance(err.value, ValueError)
 
 
 def test_vllm_prefix_cache_counters_sum_over_engines_and_read_the_old_names() -> None:

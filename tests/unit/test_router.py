@@ -10,7 +10,7 @@ from hetroute.errors import NoBackendAvailable, UnknownModel
 from hetroute.policies import PolicyContext, build_policy
 from hetroute.routing.ledger import Ledger
 from hetroute.routing.router import Router
-from hetroute.types import EngineMetrics, RequestFeatures
+from hetroute.types import Api, EngineMetrics, RequestFeatures
 from tests.unit.snapshots import spec
 
 
@@ -32,13 +32,13 @@ def make_router(available: set[int] | None = None) -> Router:
     )
 
 
-def feats(model: str, api: str = "openai") -> RequestFeatures:
+def feats(model: str, api: Api = "openai") -> RequestFeatures:
     return RequestFeatures(
         request_id="r",
         model=model,
         api=api,
         input_tokens=10,
-        max_tokens=None,  # type: ignore[arg-type]
+        max_tokens=None,
         predicted_output_tokens=5,
     )
 
