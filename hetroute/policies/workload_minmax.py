@@ -112,6 +112,10 @@ def kv_usage(snapshot: ClusterSnapshot, idx: IntArray, cap: FloatArray, signal: 
     return out
 
 
+PREFIX_BALANCE_REL = 0.25
+PREFIX_BALANCE_ABS_S = 0.5
+
+
 class MinMaxPolicy:
     """The min-max mapper over w = T · exp(θ · g(kvusage)); see the module docstring."""
 
@@ -157,7 +161,7 @@ class MinMaxPolicy:
     ) -> tuple[FloatArray, FloatArray, FloatArray]:
         """(T_r^s, kvusage_s, w_r^s) for every candidate."""
         cap = self.models.capacity_tokens(snapshot, candidates)
-        cached = snapshot.prefix_cached_tokens(candidates) if self.prefix else None
+        cached = self._cached(snapshot, candidates)
         i = float(features.input_tokens)
         o = float(features.predicted_output_tokens)
         if self.unit_time:
@@ -180,7 +184,7 @@ class MinMaxPolicy:
         )
         mean_context = (context + features.input_tokens) / (n + 1.0)
         params = snapshot.latency_params
-        cached = snapshot.prefix_cached_tokens(candidates) if self.prefix else None
+        cached = self._cached(snapshot, candidates)
         out = self.models.request_latency_s(
             candidates,
             features.input_tokens,
@@ -236,6 +240,26 @@ class MinMaxPolicy:
             workload_cost=cost,
             scores={"minmax_load": best, "T_s": float(t[k]), "kv_usage": float(u[k]), "w": cost},
         )
+
+    def _cached(self, snapshot: ClusterSnapshot, candidates: IntArray) -> FloatArray | None:
+        """Estimated cached tokens per candidate for the cost model, or None (no prefix term).
+
+        Balance guard: a candidate whose drain time L_s exceeds the least loaded candidate's by more
+        than ``PREFIX_BALANCE_REL`` (relative) and ``PREFIX_BALANCE_ABS_S`` gets no cache credit, so one
+        backend holding a hot prefix cannot keep pulling its requests while the others idle; the next
+        request that goes elsewhere replicates the prefix there (the role of SGLang's balance
+        thresholds, in drain time instead of request counts so that it holds on a mixed fleet)."""
+        if not self.prefix:
+            return None
+        cached = snapshot.prefix_cached_tokens(candidates)
+        if cached is None or PREFIX_BALANCE_REL < 0:
+            return cached
+        loads = snapshot.workload[candidates]
+        over = loads > float(loads.min()) * (1.0 + PREFIX_BALANCE_REL) + PREFIX_BALANCE_ABS_S
+        if over.any():
+            out: FloatArray = np.where(over, 0.0, cached)
+            return out
+        return cached
 
     def _keep_session(
         self, snapshot: ClusterSnapshot, candidates: IntArray, score: FloatArray, own: FloatArray, chosen: int

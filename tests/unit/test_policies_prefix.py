@@ -141,3 +141,15 @@ def test_the_router_records_dispatches_and_counts_only_uncached_prefill() -> Non
     for t in (first, second):
         router.release(t)
     assert ledger.is_zero() and math.isclose(state.index.chunks(first.backend_index), 32)
+
+
+def test_a_backend_far_busier_than_the_least_loaded_loses_its_cache_credit() -> None:
+    """The balance guard: a hot prefix cannot keep pulling requests onto one backend while others idle."""
+    twins = (backend("a", profile(FAST, 400_000)), backend("b", profile(FAST, 400_000)))
+    default = policy("balanced_minmax", twins)
+    near = with_cache(snap(twins, workload=[0.3, 0.0]), [2000.0, 0.0])
+    assert default.choose(prefixed(), near, BOTH).index == 0  # within the band: the cache wins
+    busy = snap(twins, workload=[1.0, 0.0])
+    assert default.costs(prefixed(), with_cache(busy, [2000.0, 0.0]), BOTH)[0].tolist() == (
+        default.costs(prefixed(), with_cache(busy, [0.0, 0.0]), BOTH)[0].tolist()
+    )  # 1.0 s > 0 · 1.25 + 0.5 s: no credit for the cached prompt on the busy backend
