@@ -14,7 +14,8 @@ Structure (memory and time bounded):
   Each backend holds at most ``capacity_chunks[b]`` chunks: its KV capacity in chunks, since an engine
   cannot cache more than its KV cache holds. Beyond it the least recently used chunk is dropped, tail
   of a prompt before its head (a chain is touched tail first), as vLLM evicts.
-- Entries older than ``ttl_s`` are dropped lazily (an engine evicts what nobody reused).
+- Entries older than ``ttl_s`` are dropped by a sweep at most every ``ttl_s / 10`` (an engine evicts
+  what nobody reused).
 - ``max_chunks`` bounds the whole index: past it, the globally oldest backend's LRU chunk goes.
 
 Lookup (:meth:`matched_chunks`) walks the request's chain once, intersecting masks, so it costs
@@ -39,6 +40,9 @@ DEFAULT_MAX_CHUNKS = 2_000_000
 """Whole-index bound: about 2 M chunks × 64 tokens = 128 M tokens of KV, far beyond any fleet's cache
 (a 80 GB GPU holds about 0.5 M tokens of an 8 B model); memory stays under ~400 MB at the bound."""
 DEFAULT_TTL_S = 600.0
+SWEEP_FRACTION = 0.1
+"""Expired entries are swept when a lookup comes ``SWEEP_FRACTION · ttl_s`` after the last sweep, so an
+entry is matched at most ``1.1 · ttl_s`` after its last use."""
 
 
 class PrefixIndex:
@@ -47,7 +51,9 @@ class PrefixIndex:
     Not thread-safe (one event loop). ``now_s`` comes from the caller's clock (house style §7).
     """
 
-    __slots__ = ("_holders", "_lru", "_capacity", "_ttl_s", "_max_chunks", "_n", "_all", "_count")
+    __slots__ = (
+        "_holders", "_lru", "_capacity", "_ttl_s", "_max_chunks", "_n", "_all", "_count", "_last_sweep_s",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -68,6 +74,7 @@ class PrefixIndex:
         self._max_chunks = max_chunks
         self._all = (1 << self._n) - 1
         self._count = 0
+        self._last_sweep_s = -float("inf")
 
     @property
     def backends(self) -> int:
@@ -88,6 +95,8 @@ class PrefixIndex:
 
     def matched_chunks(self, hashes: Sequence[int], now_s: float) -> FloatArray:
         """Leading chunks of ``hashes`` each backend is assumed to hold (n floats; expired ones miss)."""
+        if now_s - self._last_sweep_s > self._ttl_s * SWEEP_FRACTION:
+            self._sweep(now_s)
         out: FloatArray = np.zeros(self._n, dtype=np.float64)
         mask = self._all
         holders = self._holders
@@ -103,33 +112,21 @@ class PrefixIndex:
                         dropped ^= low
                 mask = held
                 if not mask:
-                    return self._expire_check(hashes, out, now_s)
+                    return out
             depth += 1
         while mask:
             low = mask & -mask
             out[low.bit_length() - 1] = depth
             mask ^= low
-        return self._expire_check(hashes, out, now_s)
-
-    def _expire_check(self, hashes: Sequence[int], out: FloatArray, now_s: float) -> FloatArray:
-        """Cut each backend's match at its first chunk older than the TTL.
-
-        A chain is touched whole and tail first, so along a matched chain the timestamps never
-        increase: if the last matched chunk is fresh, all are; else the first stale one is found.
-        """
-        cutoff = now_s - self._ttl_s
-        for b in np.flatnonzero(out).tolist():
-            lru = self._lru[b]
-            if next(iter(lru.values())) >= cutoff:  # its oldest entry is fresh: nothing there expired
-                continue
-            depth = int(out[b])
-            if lru.get(hashes[depth - 1], cutoff - 1.0) >= cutoff:
-                continue
-            for d in range(depth):
-                if lru.get(hashes[d], cutoff - 1.0) < cutoff:
-                    out[b] = d
-                    break
         return out
+
+    def _sweep(self, now_s: float) -> None:
+        """Drop every entry older than the TTL (each backend's oldest first: O(backends + expired))."""
+        self._last_sweep_s = now_s
+        cutoff = now_s - self._ttl_s
+        for b, lru in enumerate(self._lru):
+            while lru and next(iter(lru.values())) < cutoff:
+                self._drop_oldest(b)
 
     def insert(self, backend: int, hashes: Sequence[int], now_s: float) -> None:
         """Record that ``backend`` now holds every chunk of ``hashes`` (after a dispatch to it)."""
