@@ -37,6 +37,12 @@ Params: ``theta`` (default 0), ``latency_floor`` (default true), ``prefill_queue
 ``p1_s · P_s`` term), ``ttft_weight`` (κ ≥ 0, default 8; 0 gives the plain latency), ``kv_signal``
 (``ledger``/``engine``/``max``), ``batch_kv`` (``full``/``average``), ``seed``. κ = 8 was chosen on
 the simulator benchmark (docs/policies.md): 4 helps less, 16 raises p99 TTFT on paper-b at 24 req/s.
+
+Prefix-cache locality (docs/prefix.md): with ``prefix`` (default true) T_r^s and r's own prefill count
+only the prompt tokens not estimated cached on s (``ClusterSnapshot.prefix_cached_tokens``), with no
+credit on a backend far busier than the least loaded (the balance guard); the κ term and ``P_s`` keep
+the whole prompt. ``session_slack`` (default 0.1) keeps a session on its last backend while that is
+within 10 % of the choice.
 """
 
 from __future__ import annotations
