@@ -27,6 +27,7 @@ HETROUTE = [sys.executable, "-m", "hetroute"]
 
 
 def _metric(text: str, name: str) -> float:
+    """Sum of the samples of the gateway's own metric ``name`` in exposition ``text``."""
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name) and (line[len(name)] in " {"):
@@ -70,6 +71,7 @@ async def one_run(
     import aiohttp
     import yaml
 
+    from hetroute.backends.engines import parse_vllm
     from hetroute.sim.prompt_text import PromptRenderer
 
     sys.path.insert(0, str(HERE))
@@ -129,9 +131,9 @@ async def one_run(
             hits = queries = 0.0
             for url in emu_urls:
                 async with s.get(url + "/metrics") as r:
-                    text = await r.text()
-                hits += _metric(text, "vllm:prefix_cache_hits_total")
-                queries += _metric(text, "vllm:prefix_cache_queries_total")
+                    scraped = parse_vllm(await r.text())  # the gateway's own scraper
+                hits += scraped.prefix_cache_hits_total or 0.0
+                queries += scraped.prefix_cache_queries_total or 0.0
             async with s.get(gw + "/metrics") as r:
                 gw_text = await r.text()
     finally:

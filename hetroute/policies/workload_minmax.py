@@ -112,6 +112,12 @@ def kv_usage(snapshot: ClusterSnapshot, idx: IntArray, cap: FloatArray, signal: 
     return out
 
 
+class _Unset:
+    """Marks an argument not passed (None is a value: no cache credit)."""
+
+
+UNSET = _Unset()
+
 PREFIX_BALANCE_REL = 0.25
 PREFIX_BALANCE_ABS_S = 0.5
 
@@ -157,11 +163,17 @@ class MinMaxPolicy:
         self._rng = rng
 
     def costs(
-        self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray
+        self,
+        features: RequestFeatures,
+        snapshot: ClusterSnapshot,
+        candidates: IntArray,
+        cached: FloatArray | None | _Unset = UNSET,
     ) -> tuple[FloatArray, FloatArray, FloatArray]:
-        """(T_r^s, kvusage_s, w_r^s) for every candidate."""
+        """(T_r^s, kvusage_s, w_r^s) for every candidate; ``cached`` as :meth:`_cached` gives it (computed
+        here when not passed)."""
         cap = self.models.capacity_tokens(snapshot, candidates)
-        cached = self._cached(snapshot, candidates)
+        if isinstance(cached, _Unset):
+            cached = self._cached(snapshot, candidates)
         i = float(features.input_tokens)
         o = float(features.predicted_output_tokens)
         if self.unit_time:
@@ -175,7 +187,11 @@ class MinMaxPolicy:
         return t, u, w
 
     def latency(
-        self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray
+        self,
+        features: RequestFeatures,
+        snapshot: ClusterSnapshot,
+        candidates: IntArray,
+        cached: FloatArray | None | _Unset = UNSET,
     ) -> FloatArray:
         """Predicted latency of r if it starts now on each candidate, next to its in-flight requests."""
         n = snapshot.requests_in_flight[candidates].astype(np.float64)
@@ -184,7 +200,8 @@ class MinMaxPolicy:
         )
         mean_context = (context + features.input_tokens) / (n + 1.0)
         params = snapshot.latency_params
-        cached = self._cached(snapshot, candidates)
+        if isinstance(cached, _Unset):
+            cached = self._cached(snapshot, candidates)
         out = self.models.request_latency_s(
             candidates,
             features.input_tokens,
@@ -207,11 +224,12 @@ class MinMaxPolicy:
     def choose(
         self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray
     ) -> RoutingDecision:
-        t, u, w = self.costs(features, snapshot, candidates)
+        cached = self._cached(snapshot, candidates)  # once per decision, for both terms
+        t, u, w = self.costs(features, snapshot, candidates, cached)
         loads = snapshot.workload
         own = loads[candidates] + w
         if self.latency_floor:
-            own = np.maximum(own, self.latency(features, snapshot, candidates))
+            own = np.maximum(own, self.latency(features, snapshot, candidates, cached))
         if loads.size >= 2:
             top = int(np.argmax(loads))
             second, first = (float(v) for v in np.partition(loads, loads.size - 2)[-2:])

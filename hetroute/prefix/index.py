@@ -147,9 +147,6 @@ class PrefixIndex:
                 added += 1
         self._count += added
         self._trim(backend)
-        cutoff = now_s - self._ttl_s
-        while lru and next(iter(lru.values())) < cutoff:  # the oldest first: O(expired)
-            self._drop_oldest(backend)
         if len(holders) > self._max_chunks:
             self._trim_global()
 

@@ -251,7 +251,9 @@ class _Run:
             max_tokens=req.max_tokens,
             predicted_output_tokens=int(predicted),
             stream=True,
-            prefix_hashes=segment_block_hashes(req.segments, ROUTER_CHUNK_TOKENS) if req.segments else (),
+            prefix_hashes=segment_block_hashes(req.segments, ROUTER_CHUNK_TOKENS)
+            if req.segments and self.router.prefix is not None  # no index: nothing would read them
+            else (),
             prefix_chunk_tokens=float(ROUTER_CHUNK_TOKENS),
             session=req.session,
         )
