@@ -122,7 +122,9 @@ def build_app(
         on_decision=telemetry.on_decision,
         learner=learner,
         prefix=PrefixState(len(specs), cfg.prefix) if cfg.prefix.enabled else None,
+        foreign=cfg.scrape.foreign_load,
     )
+    metrics.on_publish = router.scraped
     telemetry.bind_backends(
         names, health.is_available, metrics.age_s, lambda i: int(ledger.requests_in_flight[i])
     )

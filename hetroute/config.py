@@ -28,6 +28,7 @@ from hetroute.latency import LatencyProfile, ProfileError, load_profile
 from hetroute.learning.settings import LearningConfig
 from hetroute.policies import policy_names
 from hetroute.prefix.settings import PrefixConfig
+from hetroute.routing.foreign import DEFAULT_FOREIGN_MODE, FOREIGN_MODES, ForeignMode
 from hetroute.types import ENGINE_KINDS, BackendSpec, EngineKind
 
 ADMIN_TOKEN_ENV = "HETROUTE_ADMIN_TOKEN"
@@ -91,6 +92,9 @@ class ScrapeConfig:
     interval_s: float = 1.0
     timeout_s: float = 1.0
     stale_after_s: float = 5.0
+    foreign_load: ForeignMode = DEFAULT_FOREIGN_MODE
+    """How the router counts requests the engines hold that it did not send (other router replicas,
+    direct clients): ``hetroute.routing.foreign``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,7 +342,17 @@ def _scrape(raw: Any) -> ScrapeConfig:
         interval_s=_num(d, "interval_s", "scrape", dflt.interval_s),
         timeout_s=_num(d, "timeout_s", "scrape", dflt.timeout_s),
         stale_after_s=_num(d, "stale_after_s", "scrape", dflt.stale_after_s),
+        foreign_load=_foreign_mode(d),
     )
+
+
+def _foreign_mode(d: Mapping[str, Any]) -> ForeignMode:
+    value = d.get("foreign_load", DEFAULT_FOREIGN_MODE)
+    if value is False:  # YAML reads a bare ``off`` as false
+        value = "off"
+    if value not in FOREIGN_MODES:
+        raise ConfigError("scrape.foreign_load", f"expected one of {', '.join(FOREIGN_MODES)}, got {value!r}")
+    return cast(ForeignMode, value)
 
 
 def _tokens(raw: Any) -> TokensConfig:

@@ -9,7 +9,7 @@ stale numbers are worse than none, and the policy then falls back for every cand
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import aiohttp
 
@@ -21,8 +21,17 @@ from hetroute.types import BackendSpec, Clock, EngineMetrics
 class MetricsStore:
     """The latest engine metrics per backend index, with staleness."""
 
-    def __init__(self, n_backends: int, clock: Clock, stale_after_s: float) -> None:
+    def __init__(
+        self,
+        n_backends: int,
+        clock: Clock,
+        stale_after_s: float,
+        on_publish: Callable[[int, EngineMetrics], None] | None = None,
+    ) -> None:
+        """``on_publish(i, metrics)`` runs at each publish, in the same event-loop step (the router
+        sets the engine's request counts against its own there: ``Router.scraped``)."""
         self.clock = clock
+        self.on_publish = on_publish
         self.stale_after_s = stale_after_s
         self._latest: list[EngineMetrics | None] = [None] * n_backends
         self.errors: list[str | None] = [None] * n_backends
@@ -30,6 +39,8 @@ class MetricsStore:
     def publish(self, i: int, metrics: EngineMetrics) -> None:
         self._latest[i] = metrics
         self.errors[i] = None
+        if self.on_publish is not None:
+            self.on_publish(i, metrics)
 
     def latest(self, i: int) -> EngineMetrics | None:
         """The newest scrape if it is fresh, else None."""

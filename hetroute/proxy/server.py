@@ -206,6 +206,7 @@ class Gateway:
         last = [self.metrics.last_seen(i) for i in range(len(router.backends))]
         sources = describe_models(self.backend_models, last)
         learner = self.learner
+        foreign = router.foreign_requests()
         out = []
         for i, spec in enumerate(router.backends):
             metrics = last[i]
@@ -236,6 +237,7 @@ class Gateway:
                     "tp": spec.tp,
                     "health": self.health.describe(i),
                     "ledger": router.ledger.backend_load(i),
+                    "foreign_requests": round(float(foreign[i]), 2),
                     "engine_metrics": asdict(metrics) if metrics is not None else None,
                     "engine_metrics_age_s": None if age is None else round(age, 3),
                     "engine_metrics_error": self.metrics.errors[i],

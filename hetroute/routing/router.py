@@ -24,6 +24,7 @@ from hetroute.errors import NoBackendAvailable, UnknownModel
 from hetroute.learning.live import LiveModels
 from hetroute.learning.observation import Observation
 from hetroute.prefix.state import PrefixState
+from hetroute.routing.foreign import DEFAULT_FOREIGN_MODE, ForeignLoad, ForeignMode
 from hetroute.routing.ledger import Ledger, Ticket
 from hetroute.types import (
     Api,
@@ -74,6 +75,7 @@ class Router:
         timer: Callable[[], float] = time.perf_counter,
         learner: LiveModels | None = None,
         prefix: PrefixState | None = None,
+        foreign: ForeignMode = DEFAULT_FOREIGN_MODE,
     ) -> None:
         if not backends:
             raise ValueError("a router needs at least one backend")
@@ -105,6 +107,7 @@ class Router:
             dtype=np.float64,
         )
         self._range = range(len(self.backends))
+        self.foreign = ForeignLoad(len(self.backends), foreign)
         # Read-only arrays shared by successive snapshots while their inputs are unchanged.
         self._caps_key: tuple[EngineMetrics | None, ...] | None = None
         self._caps: FloatArray = self._profile_caps
@@ -153,6 +156,9 @@ class Router:
             flags.flags.writeable = False
             self._available_key, self._available = available, flags
         requests, floats = self.ledger.snapshot_arrays()
+        foreign = self.foreign.counts(metrics, requests)
+        if foreign is not None:  # other routers' requests, from the engines' scrapes (foreign.py)
+            requests, floats = self.foreign.added(foreign, requests, floats)
         learner = self.learner
         now = self.clock.now()
         matched = None
@@ -180,6 +186,17 @@ class Router:
             session_backend=session_backend,
         )
         return snap, available
+
+    def foreign_requests(self) -> FloatArray:
+        """Requests per backend this router counts as sent by others, under the latest scrapes."""
+        metrics = tuple([self._latest_metrics(i) for i in self._range])
+        counts = self.foreign.counts(metrics, self.ledger.requests_in_flight)
+        return counts if counts is not None else np.zeros(len(self.backends), dtype=np.float64)
+
+    def scraped(self, i: int, metrics: EngineMetrics) -> None:
+        """Backend ``i``'s scrape ``metrics`` was just published: set the engine's request count
+        against this router's own at this instant (:class:`ForeignLoad`)."""
+        self.foreign.scraped(i, metrics, float(self.ledger.requests_in_flight[i]))
 
     def _capacities(self, metrics: tuple[EngineMetrics | None, ...]) -> FloatArray:
         """KV capacity: the profile, then the engine's own report, then the config (types.py)."""
@@ -245,6 +262,9 @@ class Router:
             policy=self.policy.name,
             reason=decision.reason,
             prefill_tokens=prefill_tokens,
+        )
+        self.foreign.dispatched(
+            decision.index, features.input_tokens, features.predicted_output_tokens, decision.workload_cost
         )
         if self._on_decision is not None:
             self._on_decision(self.policy.name, ticket.backend_name, self._timer() - self._decide_started)

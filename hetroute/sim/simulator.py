@@ -52,6 +52,7 @@ from hetroute.policies.backend_model import BackendModels
 from hetroute.prefix.hashing import ROUTER_CHUNK_TOKENS, segment_block_hashes
 from hetroute.prefix.settings import PrefixConfig
 from hetroute.prefix.state import PrefixState
+from hetroute.routing.foreign import DEFAULT_FOREIGN_MODE, ForeignMode
 from hetroute.routing.ledger import Ledger, Ticket
 from hetroute.routing.router import Router
 from hetroute.sim.cluster_file import ClusterSpec, Fleet, build_fleet
@@ -182,13 +183,17 @@ class _Run:
         scrape_interval_s: float,
         learner: LiveModels | None = None,
         slowdowns: Sequence[Slowdown] = (),
+        replicas: Sequence[Router] = (),
     ) -> None:
+        """``replicas``: further routers (own ledger, policy, learner and prefix index) that take
+        arrivals in turn with ``router``, as router replicas behind a round-robin Service do."""
         self.fleet = fleet
         self.learner = learner
         self.slowdowns = tuple(slowdowns)
         self.engines = [EngineModel(cfg) for cfg in fleet.configs]
         self.workload = workload
         self.router = router
+        self.routers: tuple[Router, ...] = (router, *replicas)
         self.predictor = predictor
         self.clock = clock
         self.scrape_interval_s = scrape_interval_s
@@ -201,6 +206,7 @@ class _Run:
         self.ttft_s = np.full(n, math.nan)
         self.e2e_s = np.full(n, math.nan)
         self.backend_index = np.full(n, -1, dtype=np.int64)
+        self.replica_of = np.zeros(n, dtype=np.int64)  # which of ``routers`` routed request k
         self.dirty: set[int] = set()
         self.pending: list[StepOutcome | None] = [None] * len(self.engines)  # planned StepOutcome per engine
         self.busy_s = [0.0] * len(self.engines)
@@ -236,7 +242,13 @@ class _Run:
         self.arrivals_left -= 1
         features = self.features_of(k)
         self._flush_generated()
-        return self.submit(k, self.router.route(features), now_s)
+        replica = k % len(self.routers)
+        self.replica_of[k] = replica
+        return self.submit(k, self.routers[replica].route(features), now_s)
+
+    def router_of(self, k: int) -> Router:
+        """The router (replica) that routed request k."""
+        return self.routers[int(self.replica_of[k])]
 
     def features_of(self, k: int) -> RequestFeatures:
         """Request k as the router sees it: Õ from the predictor, which never sees the true length."""
@@ -283,7 +295,7 @@ class _Run:
                 block_hashes=blocks,
             )
         except PromptTooLong:
-            self.router.release(ticket)
+            self.router_of(k).release(ticket)
             self.rejected += 1
             return []
         if start and self.pending[e] is None:
@@ -303,7 +315,6 @@ class _Run:
         outcome = self.pending[e]
         self.pending[e] = None
         assert outcome is not None
-        ledger = self.router.ledger
         index_of = self.index_of
         for ev in outcome.emitted:
             k = index_of[ev.request_id]
@@ -312,15 +323,16 @@ class _Run:
             if ev.first:
                 ticket = self.tickets[k]
                 assert ticket is not None
-                ledger.first_token(ticket, now_s)
+                self.router_of(k).ledger.first_token(ticket, now_s)
                 self.ttft_s[k] = now_s - self.workload[k].arrival_s
         for rid in outcome.finished:
             k = index_of[rid]
             ticket = self.tickets[k]
             assert ticket is not None
-            if self.learner is not None:
-                self.router.complete(ticket, self.generated[k], streamed=True)
-            self.router.release(ticket)
+            router = self.router_of(k)
+            if router.learner is not None:
+                router.complete(ticket, self.generated[k], streamed=True)
+            router.release(ticket)
             self.dirty.discard(k)
             req = self.workload[k]
             self.e2e_s[k] = now_s - req.arrival_s
@@ -333,7 +345,10 @@ class _Run:
 
     def on_scrape(self, now_s: float) -> list[tuple[float, int, int]]:
         for i, engine in enumerate(self.engines):
-            self.cached[i] = _metrics_of(engine, self.fleet.flavours[i], now_s)
+            metrics = _metrics_of(engine, self.fleet.flavours[i], now_s)
+            self.cached[i] = metrics
+            for router in self.routers:
+                router.scraped(i, metrics)
         if self.arrivals_left > 0 or any(p is not None for p in self.pending):
             return [(now_s + self.scrape_interval_s, _SCRAPE, 0)]
         return []
@@ -349,8 +364,10 @@ class _Run:
         """The gateway's learning loop: refit every ``refit_interval_s`` while work remains."""
         learner = self.learner
         assert learner is not None
-        learner.set_capacities(self.router.snapshot().kv_capacity_tokens)
-        learner.refit(now_s)
+        for router in self.routers:
+            if router.learner is not None:
+                router.learner.set_capacities(router.snapshot().kv_capacity_tokens)
+                router.learner.refit(now_s)
         if self.arrivals_left > 0 or any(p is not None for p in self.pending):
             return [(now_s + learner.config.refit_interval_s, _REFIT, 0)]
         return []
@@ -362,11 +379,10 @@ class _Run:
     def _flush_generated(self) -> None:
         if not self.dirty:
             return
-        ledger = self.router.ledger
         for k in self.dirty:
             ticket = self.tickets[k]
             if ticket is not None:
-                ledger.observe_generated(ticket, self.generated[k])
+                self.router_of(k).ledger.observe_generated(ticket, self.generated[k])
         self.dirty.clear()
 
     # ------------------------------------------------------------ the loop
@@ -427,6 +443,8 @@ def run_simulation(
     slowdowns: Sequence[Slowdown] = (),
     admission: SimAdmission | None = None,
     prefix: PrefixConfig | None = DEFAULT_PREFIX,
+    replicas: int = 1,
+    foreign: ForeignMode = DEFAULT_FOREIGN_MODE,
 ) -> SimResult:
     """Simulate ``workload`` (sorted by arrival) on ``cluster`` routed by ``policy_name``.
 
@@ -440,7 +458,17 @@ def run_simulation(
     ``admission`` puts the gateway's admission queue in front of the router (admission_run.py).
     ``prefix`` is the router's prefix-cache locality and session affinity (on by default, as in the
     gateway; None turns the router's index off, the engines still cache prefixes).
+    ``replicas`` runs that many routers, each with its own ledger, policy, latency learner and prefix
+    index, taking arrivals in turn (request k goes to replica k mod ``replicas``); they share the
+    engines' scraped metrics and the output-length predictor. ``foreign`` is how each router counts the
+    requests the others sent (``hetroute.routing.foreign``).
     """
+    if not isinstance(replicas, int) or replicas < 1:
+        raise ConfigError("replicas", f"must be an integer >= 1, got {replicas!r}")
+    if replicas > 1 and (admission is not None or not isinstance(policy_name, str)):
+        raise ConfigError(
+            "replicas", "several replicas need a policy name (one fresh policy each) and no admission queue"
+        )
     if scrape_interval_s < 0 or not math.isfinite(scrape_interval_s):
         raise ConfigError("scrape_interval_s", f"must be a finite number >= 0, got {scrape_interval_s}")
     fleet = cluster if isinstance(cluster, Fleet) else build_fleet(cluster)
@@ -454,29 +482,39 @@ def run_simulation(
         raise ConfigError("workload", "requests must be sorted by arrival_s")
     clock = ManualClock(workload[0].arrival_s if workload else 0.0)
     models = BackendModels.from_specs(fleet.backends)
-    if isinstance(policy_name, str):
-        ctx = PolicyContext(fleet.backends, seed, models)
-        policy = build_policy(policy_name, dict(policy_params or {}), ctx)
-    else:
-        policy = policy_name
-    learner = build_live_models(models, learning) if learning is not None and learning.enabled else None
     for slow in slowdowns:
         if not 0 <= slow.backend_index < len(fleet.backends) or not slow.factor > 0:
             raise ConfigError("slowdowns", f"bad slow-down {slow}")
     pred = predictors.build_predictor(predictor, dict(predictor_params or {}), seed)
-    ledger = Ledger([b.name for b in fleet.backends])
     holder: list[_Run] = []
-    router = Router(
-        fleet.backends,
-        policy,
-        ledger,
-        clock,
-        latest_metrics=lambda i: holder[0].latest_metrics(i),
-        learner=learner,
-        prefix=PrefixState(len(fleet.backends), prefix) if prefix is not None and prefix.enabled else None,
-    )
+
+    def replica(r: int) -> Router:
+        """Router replica r: its own policy (seed + r), ledger, learner and prefix index."""
+        if isinstance(policy_name, str):
+            ctx = PolicyContext(fleet.backends, seed + r, models)
+            policy = build_policy(policy_name, dict(policy_params or {}), ctx)
+        else:
+            policy = policy_name
+        enabled = learning is not None and learning.enabled
+        return Router(
+            fleet.backends,
+            policy,
+            Ledger([b.name for b in fleet.backends]),
+            clock,
+            latest_metrics=lambda i: holder[0].latest_metrics(i),
+            learner=build_live_models(models, learning) if learning is not None and enabled else None,
+            prefix=PrefixState(len(fleet.backends), prefix)
+            if prefix is not None and prefix.enabled
+            else None,
+            foreign=foreign,
+        )
+
+    router = replica(0)
+    policy = router.policy
+    learner = router.learner
     if admission is None:
-        run = _Run(fleet, workload, router, pred, clock, scrape_interval_s, learner, slowdowns)
+        others = [replica(r) for r in range(1, replicas)]
+        run = _Run(fleet, workload, router, pred, clock, scrape_interval_s, learner, slowdowns, others)
     else:
         run = admission.make_run(fleet, workload, router, pred, clock, scrape_interval_s, learner, slowdowns)
     holder.append(run)
@@ -530,7 +568,7 @@ def _result(run: _Run, label: str, predictor: str, events: int, wall_s: float) -
         backend_index=run.backend_index,
         events=events,
         wall_s=wall_s,
-        ledger_zero=run.router.ledger.is_zero(),
+        ledger_zero=all(router.ledger.is_zero() for router in run.routers),
         learned=run.learner,
         **_with_prefix_extra(run, run.admission_result()),
     )
@@ -548,11 +586,11 @@ def _prefix_extra(run: _Run) -> dict[str, float]:
         "prefix_cache_queries_tokens": float(sum(s.prefix_cache_queries_total for s in stats)),
         "prefix_cache_hits_tokens": float(sum(s.prefix_cache_hits_total for s in stats)),
     }
-    prefix = run.router.prefix
-    if prefix is not None:
-        out["prefix_expected_hit_ratio"] = prefix.expected_hit_tokens_total / max(
-            prefix.input_tokens_total, 1.0
+    states = [router.prefix for router in run.routers if router.prefix is not None]
+    if states:
+        out["prefix_expected_hit_ratio"] = sum(p.expected_hit_tokens_total for p in states) / max(
+            sum(p.input_tokens_total for p in states), 1.0
         )
-        out["prefix_index_bytes"] = float(prefix.index.memory_bytes())
-        out["prefix_index_chunks"] = float(prefix.index.total_chunks())
+        out["prefix_index_bytes"] = float(sum(p.index.memory_bytes() for p in states))
+        out["prefix_index_chunks"] = float(sum(p.index.total_chunks() for p in states))
     return out

@@ -80,6 +80,7 @@ def test_missing_url_names_field() -> None:
         (_with(retries={"max_attempts": 0}), "retries.max_attempts"),
         (_with(tokens={"learn_rate": 2}), "tokens.learn_rate"),
         (_with(scrape={"enabled": "yes"}), "scrape.enabled"),
+        (_with(scrape={"foreign_load": "guess"}), "scrape.foreign_load"),
         (_with(seed=-1), "<root>.seed"),
         (_with(unknown_section=1), "unknown_section"),
         (_with(profiles={"v100": 3}), "profiles.v100"),
@@ -89,6 +90,12 @@ def test_section_errors_name_the_field(data: dict[str, Any], path: str) -> None:
     with pytest.raises(ConfigError) as info:
         config_from_dict(data, env={})
     assert info.value.path == path
+
+
+def test_foreign_load_modes_and_a_bare_yaml_off() -> None:
+    assert config_from_dict(_with(), env={}).scrape.foreign_load == "scaled_excess"
+    assert config_from_dict(_with(scrape={"foreign_load": "raw"}), env={}).scrape.foreign_load == "raw"
+    assert config_from_dict(_with(scrape={"foreign_load": False}), env={}).scrape.foreign_load == "off"
 
 
 def test_unknown_policy_lists_valid_names() -> None:

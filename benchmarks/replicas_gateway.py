@@ -1,0 +1,191 @@
+"""Router replicas through real gateways: R ``hetroute serve`` processes in front of the same
+``hetroute emulate`` servers, the client spreading requests round robin across them.
+
+Usage: ``python benchmarks/replicas_gateway.py [--requests 400] [--rates 24,inf] [--replicas 1,2,4]
+[--modes off,scaled_excess] [--speedup 2] [--seed 1] [--out benchmarks/results]``.
+Writes ``replicas_gateway.json`` and ``replicas_gateway.md``.
+
+The fleet, workload and client are ``policies_gateway.py``'s (paper-a: Llama-3-8B on V100 TP4 and
+TP1, a seeded ShareGPT-like workload replayed open-loop at ``--speedup``); every gateway runs the
+``default`` policy with the given ``scrape.foreign_load`` mode and scrapes every ``1 / speedup`` s.
+Request k goes to gateway k mod R. Reported: throughput and p99 TTFT (model seconds), and their ratios
+to one gateway at the same rate (issue 14's bars: ≥ 0.97 and ≤ 1.2).
+
+Caveat: on a 2-core machine the gateways, both emulators and this client share the CPU, and more
+gateways mean more processes competing for it: say so with the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from policies_gateway import BACKENDS, HETROUTE, MODEL, free_port, one_request, wait_ready  # noqa: E402
+
+from hetroute.sim.workload import generate_workload  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+async def _spawn(*cmd: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+    )
+
+
+async def run_one(replicas: int, mode: str, rate: float, args: argparse.Namespace) -> dict[str, Any]:
+    """One run: fresh emulators and ``replicas`` gateways; the workload spread round robin."""
+    procs: list[asyncio.subprocess.Process] = []
+    tmp = Path(tempfile.mkdtemp(prefix="hetroute-replicas-"))
+    try:
+        backends = []
+        for name, tp in BACKENDS:
+            port = free_port()
+            procs.append(
+                await _spawn(
+                    *HETROUTE,
+                    "emulate",
+                    "--gpu",
+                    "V100-SXM2-32GB",
+                    "--model",
+                    MODEL,
+                    "--tp",
+                    str(tp),
+                    "--port",
+                    str(port),
+                    "--speedup",
+                    str(args.speedup),
+                    "--seed",
+                    "1",
+                )  # fmt: skip
+            )
+            backends.append(
+                {"name": name, "url": f"http://127.0.0.1:{port}", "engine": "vllm", "models": [MODEL]}
+                | {"gpu": "V100-SXM2-32GB", "tp": tp}
+            )
+        gateways = []
+        for r in range(replicas):
+            port = free_port()
+            config = {
+                "seed": 1 + r,
+                "server": {"host": "127.0.0.1", "port": port, "access_log": False},
+                "policy": {"type": "default"},
+                "scrape": {"interval_s": max(0.05, 1.0 / args.speedup), "foreign_load": mode},
+                "backends": backends,
+            }
+            path = tmp / f"router{r}.yaml"
+            path.write_text(yaml.safe_dump(config), encoding="utf-8")
+            procs.append(await _spawn(*HETROUTE, "serve", "--config", str(path), "--log-level", "WARNING"))
+            gateways.append(f"http://127.0.0.1:{port}")
+        work = generate_workload("sharegpt", args.requests, rate, args.seed, 2048)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            for b in backends:
+                await wait_ready(session, f"{b['url']}/health")
+            for g in gateways:
+                await wait_ready(session, f"{g}/v1/models")
+            start = time.monotonic()
+            out = await asyncio.gather(
+                *(
+                    one_request(session, f"{gateways[k % replicas]}/v1/completions", req, start, args.speedup)
+                    for k, req in enumerate(work)
+                )
+            )
+        ok = [o for o in out if o[2]]
+        tokens = sum(r.input_tokens + r.output_tokens for r, o in zip(work, out, strict=True) if o[2])
+        makespan = max(o[1] for o in ok) if ok else math.nan
+        ttft = np.array([o[0] for o in ok])
+        return {
+            "replicas": replicas,
+            "mode": mode,
+            "rate": "inf" if math.isinf(rate) else f"{rate:g}",
+            "completed": len(ok),
+            "failed": len(out) - len(ok),
+            "throughput_tokens_s": tokens / makespan if ok else math.nan,
+            "ttft_p99_s": float(np.percentile(ttft, 99)) if ok else math.nan,
+        }
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.terminate()
+        for p in procs:
+            try:
+                await asyncio.wait_for(p.wait(), 10)
+            except TimeoutError:
+                p.kill()
+                await p.wait()
+
+
+def markdown(rows: Sequence[dict[str, Any]], args: argparse.Namespace, wall_s: float) -> str:
+    lines = [
+        f"# Router replicas through real gateways (paper-a, {args.requests} requests, speedup "
+        f"{args.speedup:g}, seed {args.seed})",
+        "",
+        f"{platform.machine()}, {os.cpu_count()} cores, no GPU; {wall_s:.0f} s. Ratios to one gateway at the "
+        "same rate (bars: throughput ≥ 0.97, p99 TTFT ≤ 1.2).",
+        "",
+        "| rate | R | foreign_load | throughput tok/s | × one | p99 TTFT s | × one | failed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        one = next(r for r in rows if r["rate"] == row["rate"] and r["replicas"] == 1)
+        lines.append(
+            f"| {row['rate']} | {row['replicas']} | {row['mode']} | {row['throughput_tokens_s']:.0f} | "
+            f"{row['throughput_tokens_s'] / one['throughput_tokens_s']:.3f} | {row['ttft_p99_s']:.2f} | "
+            f"{row['ttft_p99_s'] / one['ttft_p99_s']:.2f} | {row['failed']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--rates", default="24,inf")
+    ap.add_argument("--replicas", default="1,2,4")
+    ap.add_argument("--modes", default="off,scaled_excess")
+    ap.add_argument("--speedup", type=float, default=2.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    rates = [math.inf if r == "inf" else float(r) for r in args.rates.split(",")]
+    counts = [int(r) for r in args.replicas.split(",")]
+    if 1 not in counts:
+        raise SystemExit("--replicas must include 1 (the reference)")
+    started = time.perf_counter()
+    rows = []
+    for rate in rates:
+        for replicas in counts:
+            for mode in ["off"] if replicas == 1 else args.modes.split(","):
+                row = asyncio.run(run_one(replicas, mode, rate, args))
+                rows.append(row)
+                print(
+                    f"{row['rate']:>4} R={replicas} {mode:14s} {row['throughput_tokens_s']:8.0f} tok/s  "
+                    f"p99 TTFT {row['ttft_p99_s']:.2f} s  failed {row['failed']}",
+                    flush=True,
+                )
+    wall_s = time.perf_counter() - started
+    text = markdown(rows, args, wall_s)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    doc = {"benchmark": "replicas_gateway", "args": vars(args) | {"out": str(args.out)}, "results": rows}
+    (args.out / "replicas_gateway.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    (args.out / "replicas_gateway.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""Load the ledger cannot see: requests other routers (replicas, direct clients) sent to a backend.
+
+A router replica's ledger holds only its own dispatches. The engines' scrapes hold the truth at the
+scrape instant t_s: running and waiting requests, whoever sent them. Per backend b, when a scrape is
+published (:meth:`ForeignLoad.scraped`), the router's own in-flight count at that instant is set
+against it:
+
+    foreign_b = max(running_b(t_s) + waiting_b(t_s) − own_b(t_s), 0)
+
+and held until the next scrape of b, while the router's own dispatches since t_s are in its ledger
+exactly. Each foreign request is counted like the router's own requests on b now: the ledger's
+per-request means on b (tokens in flight, predicted and generated tokens, workload), or, while the
+router has nothing in flight there, the mean of what it last dispatched there (an EWMA at dispatch).
+A waiting share ``waiting_b / (running_b + waiting_b)`` of them also counts as pending prefill.
+
+The ledger itself is never touched (its accounting stays exact); the foreign load is added to the
+snapshot's copies only (:meth:`ForeignLoad.added`). With one router and no other client, the engine
+counts exactly the router's own requests and ``foreign_b`` is 0: decisions are unchanged. A backend
+whose latest scrape is stale or missing (not the one recorded) gets no foreign load.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+from hetroute.types import EngineMetrics, FloatArray, IntArray
+
+_ROWS = 6
+"""The ledger's float rows (``Ledger.snapshot_arrays``): input, remaining predicted, generated,
+predicted output, workload, prefill pending."""
+_INPUT, _REMAINING, _GENERATED, _PREDICTED, _WORKLOAD, _PENDING = range(_ROWS)
+ForeignMode = Literal["off", "raw", "scaled", "scaled_excess"]
+FOREIGN_MODES: tuple[ForeignMode, ...] = ("off", "raw", "scaled", "scaled_excess")
+DEFAULT_FOREIGN_MODE: ForeignMode = "scaled_excess"
+DISPATCH_EWMA = 0.1
+"""Weight of the latest dispatch in the per-backend request profile used while nothing is in flight."""
+
+
+class ForeignLoad:
+    """Per-backend foreign requests from the engines' scrapes (see module docstring)."""
+
+    __slots__ = ("mode", "_counts", "_own_at_scrape", "_waiting_share", "_seen", "_profile", "_any")
+
+    def __init__(self, backends: int, mode: ForeignMode = DEFAULT_FOREIGN_MODE) -> None:
+        self.mode = mode
+        self._counts: FloatArray = np.zeros(backends, dtype=np.float64)
+        self._own_at_scrape: FloatArray = np.zeros(backends, dtype=np.float64)
+        self._waiting_share: FloatArray = np.zeros(backends, dtype=np.float64)
+        self._seen: list[EngineMetrics | None] = [None] * backends
+        self._profile: list[list[float] | None] = [None] * backends
+        self._any = False
+
+    def scraped(self, backend: int, metrics: EngineMetrics, own_in_flight: float) -> None:
+        """Backend ``backend``'s scrape ``metrics`` was just published; the router had
+        ``own_in_flight`` requests there at that instant."""
+        running, waiting = metrics.num_requests_running, metrics.num_requests_waiting
+        self._seen[backend] = metrics
+        self._own_at_scrape[backend] = own_in_flight
+        if running is None:
+            self._counts[backend] = 0.0
+        else:
+            total = running + (waiting or 0.0)
+            self._counts[backend] = max(total - own_in_flight, 0.0)
+            self._waiting_share[backend] = (waiting or 0.0) / total if total > 0 else 0.0
+        self._any = self.mode != "off" and bool(self._counts.any())
+
+    def dispatched(
+        self, backend: int, input_tokens: float, predicted_output_tokens: float, workload_s: float
+    ) -> None:
+        """Fold a dispatch into ``backend``'s request profile (used while nothing is in flight there)."""
+        new = (input_tokens, predicted_output_tokens, 0.0, predicted_output_tokens, workload_s, 0.0)
+        old = self._profile[backend]
+        if old is None:
+            self._profile[backend] = list(new)
+        else:
+            for k, v in enumerate(new):
+                old[k] += DISPATCH_EWMA * (v - old[k])
+
+    def counts(self, metrics: tuple[EngineMetrics | None, ...], own_now: IntArray) -> FloatArray | None:
+        """Foreign requests per backend under the latest ``metrics`` (None when there are none)."""
+        if not self._any:
+            return None
+        live = np.array([m is not None and m is s for m, s in zip(metrics, self._seen, strict=True)])
+        out: FloatArray = np.where(live, self._counts, 0.0)
+        mode = self.mode
+        if mode != "raw":
+            own_then = np.where(live, self._own_at_scrape, 0.0)
+            rho = float(out.sum()) / max(float(own_then.sum()), 1.0)
+            scaled: FloatArray = rho * own_now.astype(np.float64)
+            out = scaled if mode == "scaled" else np.maximum(scaled + out - rho * own_then, 0.0)
+        return out if out.any() else None
+
+    def added(
+        self, counts: FloatArray, requests: IntArray, floats: FloatArray
+    ) -> tuple[IntArray, FloatArray]:
+        """The ledger's snapshot arrays with ``counts`` foreign requests added (read-only copies)."""
+        own = requests.astype(np.float64)
+        profile = np.array([p if p is not None else [0.0] * _ROWS for p in self._profile], dtype=np.float64).T
+        mean = np.where(own > 0, floats / np.maximum(own, 1.0), profile)
+        extra = mean * counts
+        extra[_PENDING] = counts * self._waiting_share * mean[_INPUT]
+        out_floats: FloatArray = floats + extra
+        out_floats.flags.writeable = False
+        out_requests: IntArray = requests + np.rint(counts).astype(requests.dtype)
+        out_requests.flags.writeable = False
+        return out_requests, out_floats

@@ -1,0 +1,47 @@
+"""Several router replicas in the simulator (``run_simulation(replicas=R)``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetroute.admission.config import AdmissionConfig
+from hetroute.errors import ConfigError
+from hetroute.learning.settings import LearningConfig
+from hetroute.sim.admission_run import SimAdmission
+from hetroute.sim.cluster_file import build_fleet
+from hetroute.sim.scenarios import get_scenario
+from hetroute.sim.simulator import run_simulation
+from hetroute.sim.workload import generate_workload
+
+
+def test_one_replica_decides_the_same_whatever_it_does_with_foreign_load() -> None:
+    fleet = build_fleet(get_scenario("paper-b").cluster())
+    wl = generate_workload("sharegpt", 600, 24.0, 2, fleet.max_model_len())
+    off = run_simulation(fleet, wl, "default", {}, foreign="off")
+    for mode in ("raw", "scaled", "scaled_excess"):
+        on = run_simulation(fleet, wl, "default", {}, foreign=mode)
+        assert np.array_equal(on.backend_index, off.backend_index), mode
+
+
+@pytest.mark.parametrize("mode", ["off", "scaled_excess"])
+def test_replicas_share_the_traffic_and_each_ledger_releases_to_zero(mode: str) -> None:
+    fleet = build_fleet(get_scenario("paper-b").cluster())
+    wl = generate_workload("sharegpt", 600, 24.0, 2, fleet.max_model_len())
+    single = run_simulation(fleet, wl, "default", {})
+    four = run_simulation(fleet, wl, "default", {}, replicas=4, foreign=mode, learning=LearningConfig())  # type: ignore[arg-type]
+    assert four.completed == single.completed == 600 and four.ledger_zero
+    # Four routers that each see a quarter of the traffic still spread it over the whole fleet and
+    # keep the throughput (arrival-bound here).
+    used = np.bincount(four.backend_index, minlength=len(fleet.backends))
+    assert (used > 0).all()
+    assert four.throughput_tokens_per_s >= 0.97 * single.throughput_tokens_per_s
+
+
+def test_replicas_are_validated() -> None:
+    fleet = build_fleet(get_scenario("paper-a").cluster())
+    wl = generate_workload("sharegpt", 20, 8.0, 1, fleet.max_model_len())
+    with pytest.raises(ConfigError, match="replicas"):
+        run_simulation(fleet, wl, "default", {}, replicas=0)
+    with pytest.raises(ConfigError, match="replicas"):
+        run_simulation(fleet, wl, "default", {}, replicas=2, admission=SimAdmission(AdmissionConfig()))
