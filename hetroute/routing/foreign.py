@@ -7,15 +7,32 @@ against it:
 
     foreign_b = max(running_b(t_s) + waiting_b(t_s) − own_b(t_s), 0)
 
-and held until the next scrape of b, while the router's own dispatches since t_s are in its ledger
-exactly. Each foreign request is counted like the router's own requests on b now: the ledger's
-per-request means on b (tokens in flight, predicted and generated tokens, workload), or, while the
-router has nothing in flight there, the mean of what it last dispatched there (an EWMA at dispatch).
-A waiting share ``waiting_b / (running_b + waiting_b)`` of them also counts as pending prefill.
+The router's own dispatches since t_s are in its ledger exactly; what it adds for the others depends
+on the mode (``scrape.foreign_load``), with ρ = Σ_b foreign_b / Σ_b own_b(t_s) over freshly scraped
+backends, the fleet-wide ratio of the others' requests to this router's:
+
+- ``off``: nothing (each replica balances its own share of the traffic);
+- ``raw``: foreign_b, held until the next scrape of b;
+- ``scaled`` (default): ρ · own_b(now), the live ledger scaled by the fleet ratio;
+- ``scaled_excess``: max(ρ · own_b(now) + foreign_b − ρ · own_b(t_s), 0), scaled plus each backend's
+  departure from the fleet ratio at the scrape.
+
+Why ``scaled``: the engines' counts are up to one scrape interval old, and every replica reads the
+same ones. Held as they are (``raw``), they make the replicas pile onto the backend that looked least
+loaded at the last scrape: in the simulator (``benchmarks/replicas.py``, 3 seeds, paper-a, paper-b,
+mixed, 2 and 4 replicas) ``raw`` had the worst p99 TTFT (paper-b at 24 req/s, 4 replicas: 1.68× one
+router; ``off`` 1.31×, ``scaled`` 1.25×). Scaling the live ledger keeps each replica's decisions as
+fresh as its own dispatches while its KV-usage term and the weight of a new request against the load
+already there see the whole engine (the single router's view when the traffic is split evenly).
+
+Each counted request is like the router's own requests on b now: the ledger's per-request means on b
+(tokens in flight, predicted and generated tokens, workload), or, while the router has nothing in
+flight there, the mean of what it last dispatched there (an EWMA at dispatch). A waiting share
+``waiting_b / (running_b + waiting_b)`` of them also counts as pending prefill.
 
 The ledger itself is never touched (its accounting stays exact); the foreign load is added to the
 snapshot's copies only (:meth:`ForeignLoad.added`). With one router and no other client, the engine
-counts exactly the router's own requests and ``foreign_b`` is 0: decisions are unchanged. A backend
+counts exactly the router's own requests and foreign_b is 0: decisions are unchanged. A backend
 whose latest scrape is stale or missing (not the one recorded) gets no foreign load.
 """
 
@@ -33,7 +50,7 @@ predicted output, workload, prefill pending."""
 _INPUT, _REMAINING, _GENERATED, _PREDICTED, _WORKLOAD, _PENDING = range(_ROWS)
 ForeignMode = Literal["off", "raw", "scaled", "scaled_excess"]
 FOREIGN_MODES: tuple[ForeignMode, ...] = ("off", "raw", "scaled", "scaled_excess")
-DEFAULT_FOREIGN_MODE: ForeignMode = "scaled_excess"
+DEFAULT_FOREIGN_MODE: ForeignMode = "scaled"
 DISPATCH_EWMA = 0.1
 """Weight of the latest dispatch in the per-backend request profile used while nothing is in flight."""
 

@@ -29,7 +29,7 @@ async def test_a_replica_counts_the_requests_another_replica_sent(
 ) -> None:
     a, b = await emulate(name="a", speedup=10.0), await emulate(name="b", speedup=10.0)
     one = await gateway([a, b], policy={"type": "default"})
-    two = await gateway([a, b], policy={"type": "default"})
+    two = await gateway([a, b], policy={"type": "default"}, scrape={"foreign_load": "raw"})
     async with aiohttp.ClientSession() as s:
         sent = [asyncio.create_task(_long_request(s, one)) for _ in range(6)]
         assert await eventually(lambda: one.ledger.in_flight() == 6)
@@ -43,6 +43,24 @@ async def test_a_replica_counts_the_requests_another_replica_sent(
         # Once they finish, the next scrapes clear the foreign count.
         assert await eventually(lambda: int(two.app[ROUTER].snapshot().requests_in_flight.sum()) == 0)
     assert one.ledger.is_zero()
+
+
+async def test_by_default_a_replica_scales_its_own_load_by_the_engines_ratio(
+    emulate: EmulateFn, gateway: GatewayFn
+) -> None:
+    a = await emulate(name="a", speedup=10.0)
+    one = await gateway([a], policy={"type": "default"})
+    two = await gateway([a], policy={"type": "default"})  # scrape.foreign_load: scaled
+    async with aiohttp.ClientSession() as s:
+        mine = asyncio.create_task(_long_request(s, two))
+        assert await eventually(lambda: two.ledger.in_flight() == 1)
+        theirs = [asyncio.create_task(_long_request(s, one)) for _ in range(3)]
+        assert await eventually(lambda: one.ledger.in_flight() == 3)
+        # The engine holds 4, replica two sent 1: its load counts as 4 (1 + 3 × its own).
+        assert await eventually(lambda: int(two.app[ROUTER].snapshot().requests_in_flight[0]) == 4)
+        assert two.ledger.in_flight() == 1
+        assert await asyncio.gather(mine, *theirs) == [200] * 4
+    assert one.ledger.is_zero() and two.ledger.is_zero()
 
 
 async def test_foreign_load_off_keeps_the_replica_blind(emulate: EmulateFn, gateway: GatewayFn) -> None:
