@@ -39,11 +39,12 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from hetroute.clock import MonotonicClock
 from hetroute.errors import ConfigError
 from hetroute.sim.emulator_meta import models_body, tgi_info_body, tokenize_body
-from hetroute.sim.emulator_metrics import EmulatorMetrics, render_tgi, render_vllm
+from hetroute.sim.emulator_metrics import EmulatorMetrics
 from hetroute.sim.emulator_protocol import (
     ApiError,
     EngineKind,
@@ -144,7 +145,7 @@ class Emulator:
         self.clock = clock
         self.rng = random.Random(seed)
         self.max_concurrent_requests = max_concurrent_requests
-        self.metrics = EmulatorMetrics()
+        self.metrics = EmulatorMetrics(engine, engine_kind, served_model)
         self.lives: dict[str, Live] = {}
         self.wake = asyncio.Event()
         self.closing = asyncio.Event()
@@ -200,9 +201,9 @@ class Emulator:
                     continue  # aborted while the step ran
                 live.generated += event.tokens
                 if event.first:
-                    metrics.ttft_s.observe(now - live.arrival_s)
+                    metrics.first_token(now - live.arrival_s)
                 else:
-                    metrics.itl_s.observe(now - live.last_token_s)
+                    metrics.next_token(now - live.last_token_s)
                 live.last_token_s = now
                 live.changed.set()
             for rid in outcome.finished:
@@ -211,9 +212,7 @@ class Emulator:
                     continue
                 finished.done = True
                 finished.changed.set()
-                metrics.finished_by_reason[finished.finish_reason] += 1
-                metrics.e2e_s.observe(now - finished.arrival_s)
-                metrics.generated_tokens.observe(finished.output_tokens)
+                metrics.finished(finished.finish_reason, now - finished.arrival_s, finished.output_tokens)
 
     # -------------------------------------------------------------- admission
 
@@ -229,7 +228,7 @@ class Emulator:
         if self.kind == "tgi" and len(self.lives) >= self.max_concurrent_requests:
             raise ApiError(429, "Model is overloaded", "RateLimitError", "overloaded")
         if self.faults.error_rate and self.rng.random() < self.faults.error_rate:
-            self.metrics.requests_failed += 1
+            self.metrics.refused()
             if self.rng.random() < 0.5:
                 raise ApiError(
                     500, "Internal server error (injected fault)", "InternalServerError", "generation"
@@ -240,7 +239,7 @@ class Emulator:
         engine = self.engine
         cap = req.max_tokens if req.max_tokens is not None else engine.max_model_len - req.prompt_tokens
         if cap < 1 or req.prompt_tokens + cap > engine.max_model_len:
-            self.metrics.requests_failed += 1
+            self.metrics.refused()
             raise self._too_long(req, max(cap, 1))
         output = draw_output_tokens(self.rng, cap, req.min_tokens, req.ignore_eos)
         rid = f"{prefix}-{self.rng.getrandbits(128):032x}"
@@ -249,13 +248,12 @@ class Emulator:
         try:
             engine.submit(rid, req.prompt_tokens, output, now, reserve_tokens=cap, block_hashes=hashes)
         except PromptTooLong as exc:
-            self.metrics.requests_failed += 1
+            self.metrics.refused()
             raise self._too_long(req, cap) from exc
         hang = self.faults.hang_rate > 0 and self.rng.random() < self.faults.hang_rate
         live = Live(rid, req.prompt_tokens, output, cap, now, self.rng.getrandbits(32), hang)
         self.lives[rid] = live
-        self.metrics.requests_total += 1
-        self.metrics.input_tokens.observe(req.prompt_tokens)
+        self.metrics.admitted(req.prompt_tokens)
         self.wake.set()
         return live
 
@@ -275,8 +273,7 @@ class Emulator:
         if live.done or self.lives.pop(live.rid, None) is None:
             return
         self.engine.abort(live.rid)
-        self.metrics.finished_by_reason["abort"] += 1
-        self.metrics.requests_failed += 1
+        self.metrics.aborted()
 
     # -------------------------------------------------------------- handlers
 
@@ -339,12 +336,7 @@ class Emulator:
         return web.json_response(tgi_info_body(self.engine, self.served_model, self.max_concurrent_requests))
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        if self.kind == "tgi":
-            text = render_tgi(self.engine, self.metrics)
-        else:
-            util = self.engine.config.gpu_memory_utilization
-            text = render_vllm(self.engine, self.metrics, self.served_model, util)
-        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 EMULATOR_KEY = web.AppKey("hetroute_emulator", Emulator)

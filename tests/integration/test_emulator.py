@@ -212,7 +212,7 @@ async def test_vllm_metrics_move_under_load() -> None:
             and m[f"vllm:prompt_tokens_total{labels}"] == 400
         )
         assert m['vllm:time_to_first_token_seconds_count{engine="0",model_name="llama"}'] == 8
-        assert m['vllm:request_success_total{engine="0",model_name="llama",finished_reason="length"}'] == 8
+        assert m['vllm:request_success_total{engine="0",finished_reason="length",model_name="llama"}'] == 8
 
 
 async def test_tgi_metrics_names() -> None:
