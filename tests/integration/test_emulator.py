@@ -229,6 +229,19 @@ async def test_tgi_metrics_names() -> None:
         assert m["tgi_request_success"] == 5 and m["tgi_queue_size"] == 0
 
 
+async def test_two_emulators_in_one_process_keep_separate_metrics() -> None:
+    labels = '{engine="0",model_name="llama"}'  # the same served model: identical series names in both
+    async with serve(make_engine()) as (url_a, emu_a, s), serve(make_engine()) as (url_b, emu_b, _):
+        body = {"prompt": "abcd" * 10, "max_tokens": 3, "ignore_eos": True}
+        for _ in range(2):
+            async with s.post(f"{url_a}/v1/completions", json=body) as r:
+                assert r.status == 200
+        a, b = await scrape(s, url_a), await scrape(s, url_b)
+    assert emu_a.metrics.registry is not emu_b.metrics.registry
+    for name, busy in (("vllm:prompt_tokens_total", 20), ("vllm:e2e_request_latency_seconds_count", 2)):
+        assert (a[f"{name}{labels}"], b[f"{name}{labels}"]) == (busy, 0)
+
+
 async def test_client_disconnect_aborts_and_frees_kv() -> None:
     engine = make_engine()
     async with serve(engine, speedup=5.0) as (url, emu, s):
