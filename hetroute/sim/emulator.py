@@ -201,9 +201,9 @@ class Emulator:
                     continue  # aborted while the step ran
                 live.generated += event.tokens
                 if event.first:
-                    metrics.first_token(now - live.arrival_s)
+                    metrics.observe("ttft_s", now - live.arrival_s)
                 else:
-                    metrics.next_token(now - live.last_token_s)
+                    metrics.observe("itl_s", now - live.last_token_s)
                 live.last_token_s = now
                 live.changed.set()
             for rid in outcome.finished:
@@ -212,7 +212,9 @@ class Emulator:
                     continue
                 finished.done = True
                 finished.changed.set()
-                metrics.finished(finished.finish_reason, now - finished.arrival_s, finished.output_tokens)
+                metrics.finished_by_reason[finished.finish_reason] += 1
+                metrics.observe("e2e_s", now - finished.arrival_s)
+                metrics.observe("output_tokens", finished.output_tokens)
 
     # -------------------------------------------------------------- admission
 
@@ -228,7 +230,7 @@ class Emulator:
         if self.kind == "tgi" and len(self.lives) >= self.max_concurrent_requests:
             raise ApiError(429, "Model is overloaded", "RateLimitError", "overloaded")
         if self.faults.error_rate and self.rng.random() < self.faults.error_rate:
-            self.metrics.refused()
+            self.metrics.requests_failed += 1
             if self.rng.random() < 0.5:
                 raise ApiError(
                     500, "Internal server error (injected fault)", "InternalServerError", "generation"
@@ -239,7 +241,7 @@ class Emulator:
         engine = self.engine
         cap = req.max_tokens if req.max_tokens is not None else engine.max_model_len - req.prompt_tokens
         if cap < 1 or req.prompt_tokens + cap > engine.max_model_len:
-            self.metrics.refused()
+            self.metrics.requests_failed += 1
             raise self._too_long(req, max(cap, 1))
         output = draw_output_tokens(self.rng, cap, req.min_tokens, req.ignore_eos)
         rid = f"{prefix}-{self.rng.getrandbits(128):032x}"
@@ -248,12 +250,13 @@ class Emulator:
         try:
             engine.submit(rid, req.prompt_tokens, output, now, reserve_tokens=cap, block_hashes=hashes)
         except PromptTooLong as exc:
-            self.metrics.refused()
+            self.metrics.requests_failed += 1
             raise self._too_long(req, cap) from exc
         hang = self.faults.hang_rate > 0 and self.rng.random() < self.faults.hang_rate
         live = Live(rid, req.prompt_tokens, output, cap, now, self.rng.getrandbits(32), hang)
         self.lives[rid] = live
-        self.metrics.admitted(req.prompt_tokens)
+        self.metrics.requests_total += 1
+        self.metrics.observe("prompt_tokens", req.prompt_tokens)
         self.wake.set()
         return live
 
@@ -273,7 +276,8 @@ class Emulator:
         if live.done or self.lives.pop(live.rid, None) is None:
             return
         self.engine.abort(live.rid)
-        self.metrics.aborted()
+        self.metrics.finished_by_reason["abort"] += 1
+        self.metrics.requests_failed += 1
 
     # -------------------------------------------------------------- handlers
 

@@ -1,26 +1,25 @@
 """Prometheus ``/metrics`` of one emulated engine, with the real vLLM V1 and TGI metric names.
 
-Owns each emulator's ``CollectorRegistry`` (never the process-global one: two emulators in one process
-export separate metrics) and its request-level observations; ``generate_latest`` renders the registry.
+Owns each emulator's ``CollectorRegistry`` (never the global one: two emulators in one process export
+separate metrics), rendered by ``generate_latest``, and the emulator's request-level observations.
 
-Why a custom collector rather than ``Gauge``/``Counter`` objects: the gauges and the token, prefix-cache and
+Why a custom collector, not ``Gauge``/``Counter`` objects: the gauges and the token, prefix-cache and
 preemption counters mirror :meth:`EngineModel.stats`, which the engine owns (a ``Counter`` could only chase
-it with ``inc(delta)``), and one snapshot per scrape keeps a scrape's samples consistent with each other.
-Its families also carry no ``_created`` series, which vLLM V1 and TGI do not export and which
-``prometheus_client`` can turn off only process-wide. The latency and length histograms are
-``prometheus_client`` ``Histogram`` objects (on no registry) that the collector yields without ``_created``.
+it with ``inc``); one snapshot per scrape keeps a scrape's samples consistent; and a collector emits no
+``_created`` series (vLLM V1 and TGI export none; ``prometheus_client`` can turn them off only process-wide).
+The histograms are ``prometheus_client`` ``Histogram`` objects, on no registry, yielded without ``_created``.
 
-vLLM: labels ``engine="0"`` and ``model_name``; ``vllm:kv_cache_usage_perc`` is a fraction (0–1); the
-prefix-cache counters count tokens and are exported even with prefix caching off, as vLLM V1 does (its V0
-gauge ``vllm:gpu_prefix_cache_hit_rate`` is gone). TGI: no labels; its Rust exporter writes the counters
-``tgi_request_{count,success,failure}`` without ``_total``, which ``prometheus_client`` cannot (it names every
-counter family ``<name>_total``), so they keep TGI's sample names and are typed ``untyped``. TGI exports no
-prefix-cache metric (its router has none, though its radix prefix cache is on by default).
+vLLM: labels ``engine="0"`` and ``model_name``; ``vllm:kv_cache_usage_perc`` is a fraction (0-1); the
+prefix-cache counters count tokens and are exported even with prefix caching off, as vLLM V1 does (V0's
+``vllm:gpu_prefix_cache_hit_rate`` is gone). TGI: no labels, no prefix-cache metric (its router has none);
+its Rust exporter writes ``tgi_request_{count,success,failure}`` without ``_total``, which
+``prometheus_client`` cannot (every counter family is ``<name>_total``), so they are typed ``untyped``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
@@ -37,8 +36,9 @@ ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
+Observation = Literal["ttft_s", "itl_s", "e2e_s", "prompt_tokens", "output_tokens"]
 # observation -> (metric name, upper bounds); TGI's router has no token-latency histogram
-_HISTOGRAMS: dict[EngineKind, dict[str, tuple[str, tuple[float, ...]]]] = {
+_HISTOGRAMS: dict[EngineKind, dict[Observation, tuple[str, tuple[float, ...]]]] = {
     "vllm": {
         "ttft_s": ("vllm:time_to_first_token_seconds", TTFT_BUCKETS_S),
         "itl_s": ("vllm:inter_token_latency_seconds", ITL_BUCKETS_S),
@@ -85,8 +85,8 @@ _Family = GaugeMetricFamily | CounterMetricFamily | UnknownMetricFamily
 class EmulatorMetrics(Collector):
     """The metrics of one emulator, on :attr:`registry`, which this object creates and owns.
 
-    ``kind`` picks the vLLM or the TGI names. The emulator calls the observation methods (latencies in
-    seconds of its clock, lengths in tokens); the engine's state is read at scrape time, in :meth:`collect`.
+    ``kind`` picks the vLLM or the TGI names. The emulator counts requests in the three public counters and
+    records latencies and lengths with :meth:`observe`; the engine's state is read at scrape time.
     """
 
     def __init__(self, engine: EngineModel, kind: EngineKind, served_model: str) -> None:
@@ -106,31 +106,10 @@ class EmulatorMetrics(Collector):
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
-    def admitted(self, prompt_tokens: int) -> None:
-        self.requests_total += 1
-        self._observe("prompt_tokens", prompt_tokens)
-
-    def refused(self) -> None:
-        self.requests_failed += 1
-
-    def first_token(self, ttft_s: float) -> None:
-        self._observe("ttft_s", ttft_s)
-
-    def next_token(self, itl_s: float) -> None:
-        self._observe("itl_s", itl_s)
-
-    def finished(self, reason: str, e2e_s: float, output_tokens: int) -> None:
-        self.finished_by_reason[reason] += 1
-        self._observe("e2e_s", e2e_s)
-        self._observe("output_tokens", output_tokens)
-
-    def aborted(self) -> None:
-        self.finished_by_reason["abort"] += 1
-        self.requests_failed += 1
-
-    def _observe(self, key: str, value: float) -> None:
+    def observe(self, key: Observation, value: float) -> None:
+        """Record a latency (seconds of the emulator's clock) or a length (tokens); TGI drops ttft/itl."""
         observer = self._observers.get(key)
-        if observer is not None:  # None: TGI has no token-latency histograms
+        if observer is not None:
             observer.observe(value)
 
     def exposition(self) -> bytes:

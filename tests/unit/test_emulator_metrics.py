@@ -96,9 +96,8 @@ def test_exactly_the_engines_families_and_no_created_series(
     kind: EngineKind, families: dict[str, str]
 ) -> None:
     metrics = EmulatorMetrics(busy_engine(kind), kind, "llama")
-    metrics.admitted(320)
-    metrics.first_token(0.5)
-    metrics.finished("length", 2.0, 300)
+    metrics.observe("ttft_s", 0.5)  # TGI has no such histogram: dropped
+    metrics.observe("e2e_s", 2.0)
     parsed = list(text_string_to_metric_families(metrics.exposition().decode()))
     assert {f.name: f.type for f in parsed} == families
     samples = [s for f in parsed for s in f.samples]
@@ -110,9 +109,10 @@ def test_exactly_the_engines_families_and_no_created_series(
 def test_histograms_and_counters_keep_their_semantics() -> None:
     metrics = EmulatorMetrics(busy_engine("vllm"), "vllm", "llama")
     for ttft_s in (0.25, 0.3, 30.0):  # a value on a bucket's upper bound counts in that bucket
-        metrics.first_token(ttft_s)
-    metrics.finished("stop", 1.5, 7)
-    metrics.aborted()
+        metrics.observe("ttft_s", ttft_s)
+    metrics.observe("output_tokens", 7)
+    metrics.finished_by_reason["stop"] += 1
+    metrics.finished_by_reason["abort"] += 1
     base = {"engine": "0", "model_name": "llama"}
 
     def sample(name: str, **labels: str) -> float | None:
@@ -125,14 +125,17 @@ def test_histograms_and_counters_keep_their_semantics() -> None:
     assert sample("vllm:request_generation_tokens_bucket", le="10.0") == 1
     reasons = {r: sample(success, finished_reason=r) for r in ("stop", "length", "abort")}
     assert reasons == {"stop": 1, "length": 0, "abort": 1}
-    assert (metrics.requests_failed, metrics.finished_by_reason["abort"]) == (1, 1)
+    tgi = EmulatorMetrics(busy_engine("tgi"), "tgi", "llama")
+    tgi.requests_total, tgi.requests_failed = 5, 2
+    tgi.finished_by_reason.update(stop=1, length=2)
+    counts = {n: tgi.registry.get_sample_value(f"tgi_request_{n}") for n in ("count", "success", "failure")}
+    assert counts == {"count": 5, "success": 3, "failure": 2}  # success: stop + length
 
 
 def test_two_emulators_keep_separate_registries_and_leave_the_global_one_alone() -> None:
     a = EmulatorMetrics(busy_engine("vllm"), "vllm", "llama")
     b = EmulatorMetrics(EngineModel(config()), "vllm", "llama")  # same names and labels
-    a.admitted(320)
-    a.finished("length", 1.0, 300)
+    a.observe("e2e_s", 1.0)
     assert a.registry is not b.registry
     count = "vllm:e2e_request_latency_seconds_count"
     labels = {"engine": "0", "model_name": "llama"}
