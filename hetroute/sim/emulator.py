@@ -39,11 +39,12 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from hetroute.clock import MonotonicClock
 from hetroute.errors import ConfigError
 from hetroute.sim.emulator_meta import models_body, tgi_info_body, tokenize_body
-from hetroute.sim.emulator_metrics import EmulatorMetrics, render_tgi, render_vllm
+from hetroute.sim.emulator_metrics import EmulatorMetrics
 from hetroute.sim.emulator_protocol import (
     ApiError,
     EngineKind,
@@ -144,7 +145,7 @@ class Emulator:
         self.clock = clock
         self.rng = random.Random(seed)
         self.max_concurrent_requests = max_concurrent_requests
-        self.metrics = EmulatorMetrics()
+        self.metrics = EmulatorMetrics(engine, engine_kind, served_model)
         self.lives: dict[str, Live] = {}
         self.wake = asyncio.Event()
         self.closing = asyncio.Event()
@@ -200,9 +201,9 @@ class Emulator:
                     continue  # aborted while the step ran
                 live.generated += event.tokens
                 if event.first:
-                    metrics.ttft_s.observe(now - live.arrival_s)
+                    metrics.observe("ttft_s", now - live.arrival_s)
                 else:
-                    metrics.itl_s.observe(now - live.last_token_s)
+                    metrics.observe("itl_s", now - live.last_token_s)
                 live.last_token_s = now
                 live.changed.set()
             for rid in outcome.finished:
@@ -212,8 +213,8 @@ class Emulator:
                 finished.done = True
                 finished.changed.set()
                 metrics.finished_by_reason[finished.finish_reason] += 1
-                metrics.e2e_s.observe(now - finished.arrival_s)
-                metrics.generated_tokens.observe(finished.output_tokens)
+                metrics.observe("e2e_s", now - finished.arrival_s)
+                metrics.observe("output_tokens", finished.output_tokens)
 
     # -------------------------------------------------------------- admission
 
@@ -255,7 +256,7 @@ class Emulator:
         live = Live(rid, req.prompt_tokens, output, cap, now, self.rng.getrandbits(32), hang)
         self.lives[rid] = live
         self.metrics.requests_total += 1
-        self.metrics.input_tokens.observe(req.prompt_tokens)
+        self.metrics.observe("prompt_tokens", req.prompt_tokens)
         self.wake.set()
         return live
 
@@ -339,12 +340,7 @@ class Emulator:
         return web.json_response(tgi_info_body(self.engine, self.served_model, self.max_concurrent_requests))
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        if self.kind == "tgi":
-            text = render_tgi(self.engine, self.metrics)
-        else:
-            util = self.engine.config.gpu_memory_utilization
-            text = render_vllm(self.engine, self.metrics, self.served_model, util)
-        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 EMULATOR_KEY = web.AppKey("hetroute_emulator", Emulator)

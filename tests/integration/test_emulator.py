@@ -212,7 +212,7 @@ async def test_vllm_metrics_move_under_load() -> None:
             and m[f"vllm:prompt_tokens_total{labels}"] == 400
         )
         assert m['vllm:time_to_first_token_seconds_count{engine="0",model_name="llama"}'] == 8
-        assert m['vllm:request_success_total{engine="0",model_name="llama",finished_reason="length"}'] == 8
+        assert m['vllm:request_success_total{engine="0",finished_reason="length",model_name="llama"}'] == 8
 
 
 async def test_tgi_metrics_names() -> None:
@@ -227,6 +227,19 @@ async def test_tgi_metrics_names() -> None:
             response.release()
         m = await scrape(s, url)
         assert m["tgi_request_success"] == 5 and m["tgi_queue_size"] == 0
+
+
+async def test_two_emulators_in_one_process_keep_separate_metrics() -> None:
+    labels = '{engine="0",model_name="llama"}'  # the same served model: identical series names in both
+    async with serve(make_engine()) as (url_a, emu_a, s), serve(make_engine()) as (url_b, emu_b, _):
+        body = {"prompt": "abcd" * 10, "max_tokens": 3, "ignore_eos": True}
+        for _ in range(2):
+            async with s.post(f"{url_a}/v1/completions", json=body) as r:
+                assert r.status == 200
+        a, b = await scrape(s, url_a), await scrape(s, url_b)
+    assert emu_a.metrics.registry is not emu_b.metrics.registry
+    for name, busy in (("vllm:prompt_tokens_total", 20), ("vllm:e2e_request_latency_seconds_count", 2)):
+        assert (a[f"{name}{labels}"], b[f"{name}{labels}"]) == (busy, 0)
 
 
 async def test_client_disconnect_aborts_and_frees_kv() -> None:

@@ -12,7 +12,9 @@ from tests.conftest import MODEL, EmulateFn, Gateway, GatewayFn, eventually
 
 
 async def _long_request(s: aiohttp.ClientSession, gw: Gateway) -> int:
-    body = {"model": MODEL, "prompt": "hello " * 50, "max_tokens": 400, "stream": True}
+    # ignore_eos: exactly 400 tokens (~0.7 s at speedup 10), so all six stay in flight for many scrapes;
+    # with drawn lengths the first could finish within one scrape interval of the last one's arrival
+    body = {"model": MODEL, "prompt": "hello " * 50, "max_tokens": 400, "ignore_eos": True, "stream": True}
     async with s.post(gw.url + "/v1/completions", json=body) as r:
         await r.read()
         return r.status

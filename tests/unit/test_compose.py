@@ -23,7 +23,7 @@ from hetroute.cli import build_parser
 from hetroute.config import load_config
 from hetroute.sim.catalog import load_model_catalog
 from hetroute.sim.cluster_file import build_fleet, parse_cluster
-from hetroute.sim.emulator_metrics import EmulatorMetrics, render_tgi, render_vllm
+from hetroute.sim.emulator_metrics import EmulatorMetrics
 from hetroute.sim.engine_model import EngineModel
 from hetroute.telemetry import Telemetry
 
@@ -166,7 +166,7 @@ def _exported_metric_names() -> set[str]:
         names.update(family.name + s for s in suffixes[family.type])
     fleet = build_fleet(parse_cluster({"instances": [{"gpu": "L4", "model": "Llama-3-8B"}]}))
     engine = EngineModel(fleet.configs[0])
-    text = render_vllm(engine, EmulatorMetrics(), "m", 0.9) + render_tgi(engine, EmulatorMetrics())
+    text = "".join(EmulatorMetrics(engine, kind, "m").exposition().decode() for kind in ("vllm", "tgi"))
     names.update(line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#")
     return names
 
