@@ -27,7 +27,7 @@ from hetroute.admission.full import Placer
 from hetroute.admission.gate import AdmissionGate
 from hetroute.backends.health import HealthTracker, probe_loop
 from hetroute.backends.scrape import MetricsStore, scrape_loop
-from hetroute.clock import MonotonicClock
+from hetroute.clock import MonotonicClock, Sleeper
 from hetroute.config import ComponentConfig, Config
 from hetroute.learning.build import build_live_models
 from hetroute.learning.live import LiveModels
@@ -257,14 +257,17 @@ def _save(learner: LiveModels, router: Router, state_dir: str) -> None:
     log.info("saved %d learned backend model(s) to %s", written, state_dir)
 
 
-async def learning_loop(learner: LiveModels, router: Router, cfg: Config) -> None:
-    """Refit the live models every ``learning.refit_interval_s`` (off the request path: requests only
-    append observations) and save them every ``learning.save_interval_s`` when a state dir is set."""
+async def learning_loop(
+    learner: LiveModels, router: Router, cfg: Config, sleep: Sleeper = asyncio.sleep
+) -> None:
+    """Refit the live models every ``learning.refit_interval_s`` (waited through ``sleep``; off the
+    request path: requests only append observations) and save them every ``learning.save_interval_s``
+    when a state dir is set."""
     every = cfg.learning
     clock = router.clock
     last_save = clock.now()
     while True:
-        await asyncio.sleep(every.refit_interval_s)
+        await sleep(every.refit_interval_s)
         learner.set_capacities(router.snapshot().kv_capacity_tokens)
         learner.refit(clock.now())
         if every.state_dir and clock.now() - last_save >= every.save_interval_s:

@@ -1,12 +1,18 @@
 """Clocks: the only place hetroute reads time (house style §7).
 
 ``MonotonicClock`` wraps ``time.monotonic`` for production; ``ManualClock`` is advanced
-explicitly by tests and by the discrete-event simulator.
+explicitly by tests and by the discrete-event simulator. The periodic loops (health probes, scrapes,
+refits) wait through an injected :data:`Sleeper` (``asyncio.sleep`` in production), so that a test
+can drive them tick by tick on a ``ManualClock``.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
+
+Sleeper = Callable[[float], Awaitable[None]]
+"""Waits the given seconds (``asyncio.sleep``); a test's sleeper advances a ManualClock instead."""
 
 
 class MonotonicClock:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from hetroute.clock import Sleeper
 from hetroute.config import HealthConfig
 from hetroute.types import Clock
 
@@ -191,13 +192,16 @@ async def probe_once(session: aiohttp.ClientSession, url: str, timeout_s: float)
 
 
 async def probe_loop(
-    tracker: HealthTracker, session: aiohttp.ClientSession, base_urls: Sequence[str]
+    tracker: HealthTracker,
+    session: aiohttp.ClientSession,
+    base_urls: Sequence[str],
+    sleep: Sleeper = asyncio.sleep,
 ) -> None:
-    """Probe every backend each ``probe_interval_s`` until cancelled."""
+    """Probe every backend, then wait ``probe_interval_s`` through ``sleep``; until cancelled."""
     cfg = tracker.config
     urls = [u + cfg.probe_path for u in base_urls]
     while True:
         results = await asyncio.gather(*(probe_once(session, u, cfg.probe_timeout_s) for u in urls))
         for i, (ok, error) in enumerate(results):
             tracker.record_probe(i, ok, error)
-        await asyncio.sleep(cfg.probe_interval_s)
+        await sleep(cfg.probe_interval_s)

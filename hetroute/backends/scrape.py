@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import aiohttp
 
 from hetroute.backends.engines import MetricsParseError, parse_metrics
+from hetroute.clock import Sleeper
 from hetroute.config import ScrapeConfig
 from hetroute.types import BackendSpec, Clock, EngineMetrics
 
@@ -77,12 +78,14 @@ async def scrape_loop(
     specs: Sequence[BackendSpec],
     index: int,
     config: ScrapeConfig,
+    sleep: Sleeper = asyncio.sleep,
 ) -> None:
-    """Scrape backend ``index`` every ``interval_s`` until cancelled; errors are recorded, not raised."""
+    """Scrape backend ``index``, then wait ``interval_s`` through ``sleep``; until cancelled. Errors are
+    recorded in the store, not raised."""
     spec = specs[index]
     while True:
         try:
             store.publish(index, await scrape_once(session, spec, config.timeout_s, store.clock))
         except (aiohttp.ClientError, TimeoutError, OSError, MetricsParseError) as exc:
             store.errors[index] = f"{type(exc).__name__}: {exc}"
-        await asyncio.sleep(config.interval_s)
+        await sleep(config.interval_s)
