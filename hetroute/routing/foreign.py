@@ -13,17 +13,22 @@ backends, the fleet-wide ratio of the others' requests to this router's:
 
 - ``off``: nothing (each replica balances its own share of the traffic);
 - ``raw``: foreign_b, held until the next scrape of b;
-- ``scaled`` (default): ρ · own_b(now), the live ledger scaled by the fleet ratio;
-- ``scaled_excess``: max(ρ · own_b(now) + foreign_b − ρ · own_b(t_s), 0), scaled plus each backend's
-  departure from the fleet ratio at the scrape.
+- ``scaled``: ρ · own_b(now), the live ledger scaled by the fleet ratio;
+- ``scaled_excess`` (default): max(ρ · own_b(now) + foreign_b − ρ · own_b(t_s), 0), scaled plus each
+  backend's departure from the fleet ratio at the scrape.
 
-Why ``scaled``: the engines' counts are up to one scrape interval old, and every replica reads the
-same ones. Held as they are (``raw``), they make the replicas pile onto the backend that looked least
-loaded at the last scrape: in the simulator (``benchmarks/replicas.py``, 3 seeds, paper-a, paper-b,
-mixed, 2 and 4 replicas) ``raw`` had the worst p99 TTFT (paper-b at 24 req/s, 4 replicas: 1.68× one
-router; ``off`` 1.31×, ``scaled`` 1.25×). Scaling the live ledger keeps each replica's decisions as
-fresh as its own dispatches while its KV-usage term and the weight of a new request against the load
-already there see the whole engine (the single router's view when the traffic is split evenly).
+Why ``scaled_excess`` (docs/replicas.md has the figures). The engines' counts are up to one scrape
+interval old, and every replica reads the same ones. Held as they are (``raw``), they make the
+replicas pile onto the backend that looked least loaded at the last scrape: in the simulator
+(``benchmarks/replicas.py``) ``raw`` had the worst p99 TTFT (paper-b at 24 req/s, 4 replicas: 1.68×
+one router). Scaling the live ledger keeps each replica's decisions as fresh as its own dispatches,
+while its KV-usage term and the weight of a new request against the load already there see the
+whole engine. But ``scaled`` alone is blind where this replica has nothing in flight: a small
+backend that only the other replicas are using looks idle to it. Through real gateways (paper-a,
+2 replicas, 24 req/s) ``scaled`` lost 22-24 % of the throughput in two runs while ``off``,
+``raw`` and ``scaled_excess`` kept it (likely the small TP1 backend, which looks idle to each replica
+in turn, drawing work from all of them; not isolated). In the simulator the two are within one cell
+of each other (43 and 44 of 48 within the bars).
 
 Each counted request is like the router's own requests on b now: the ledger's per-request means on b
 (tokens in flight, predicted and generated tokens, workload), or, while the router has nothing in
@@ -50,7 +55,7 @@ predicted output, workload, prefill pending."""
 _INPUT, _REMAINING, _GENERATED, _PREDICTED, _WORKLOAD, _PENDING = range(_ROWS)
 ForeignMode = Literal["off", "raw", "scaled", "scaled_excess"]
 FOREIGN_MODES: tuple[ForeignMode, ...] = ("off", "raw", "scaled", "scaled_excess")
-DEFAULT_FOREIGN_MODE: ForeignMode = "scaled"
+DEFAULT_FOREIGN_MODE: ForeignMode = "scaled_excess"
 DISPATCH_EWMA = 0.1
 """Weight of the latest dispatch in the per-backend request profile used while nothing is in flight."""
 

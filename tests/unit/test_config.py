@@ -93,7 +93,7 @@ def test_section_errors_name_the_field(data: dict[str, Any], path: str) -> None:
 
 
 def test_foreign_load_modes_and_a_bare_yaml_off() -> None:
-    assert config_from_dict(_with(), env={}).scrape.foreign_load == "scaled"
+    assert config_from_dict(_with(), env={}).scrape.foreign_load == "scaled_excess"
     assert config_from_dict(_with(scrape={"foreign_load": "raw"}), env={}).scrape.foreign_load == "raw"
     assert config_from_dict(_with(scrape={"foreign_load": False}), env={}).scrape.foreign_load == "off"
 
