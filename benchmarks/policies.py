@@ -78,7 +78,7 @@ def _fleet(scenario: str) -> Any:
 
 def hand_weights(scenario: str) -> list[float]:
     """TP × dense FP16 TFLOP/s per instance: the paper's "GPU resources" rule (paper-a: 4:1)."""
-    from hetroute.sim.catalog import load_gpu_catalog
+    from hetroute.catalog.specs import load_gpu_catalog
 
     gpus = load_gpu_catalog()
     fleet = _fleet(scenario)

@@ -93,15 +93,15 @@ TIE = 0.005
 
 
 def _catalogs() -> tuple[Any, Any]:
-    from hetroute.sim.catalog import load_gpu_catalog, load_model_catalog
+    from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog
 
     return load_gpu_catalog(), load_model_catalog()
 
 
 def roofline_profile(spec: Any) -> Any:
     """The catalog's roofline prior of one backend as a profile."""
+    from hetroute.catalog.specs import lookup_gpu, lookup_model
     from hetroute.prior import roofline_prior_profile
-    from hetroute.sim.catalog import lookup_gpu, lookup_model
 
     gpus, models = _catalogs()
     return roofline_prior_profile(lookup_gpu(gpus, spec.gpu), lookup_model(models, spec.models[0]), spec.tp)

@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hetroute.sim.catalog import GpuSpec, ModelSpec
+from hetroute.catalog.specs import GpuSpec, ModelSpec
 from hetroute.sim.cluster_file import ClusterSpec as SimCluster
 from hetroute.sim.cluster_file import InstanceSpec
 from hetroute.sim.engine_model import EngineConfig, EngineModel

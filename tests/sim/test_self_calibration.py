@@ -32,8 +32,8 @@ def wrong_prior(fleet: Fleet, factors: tuple[float, ...]) -> Fleet:
     truth = BackendModels.from_specs(fleet.backends)
     out = []
     for b, model, f in zip(fleet.backends, truth.models, factors, strict=True):
+        from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog, lookup_gpu, lookup_model
         from hetroute.prior import roofline_prior_profile
-        from hetroute.sim.catalog import load_gpu_catalog, load_model_catalog, lookup_gpu, lookup_model
 
         profile = roofline_prior_profile(
             lookup_gpu(load_gpu_catalog(), b.gpu or ""),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetroute.sim.catalog import load_gpu_catalog, load_model_catalog
+from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog
 from hetroute.sim.workload import generate_workload
 from hetroute.tuner.cluster import EngineSettings
 from hetroute.tuner.groundtruth import kendall_tau, measure_machine, measure_machine_routed
