@@ -206,7 +206,7 @@ class _Capture:
 
 def _install_capture() -> None:
     """Wrap the simulator's ``build_live_models`` so the run's learner and its held-out errors are kept."""
-    import hetroute.sim.simulator as simmod
+    import hetroute.simulation.simulator as simmod
     from hetroute.learning.fit import predict_e2e_s
 
     if getattr(simmod.build_live_models, "_self_calibration", False):  # type: ignore[attr-defined]
@@ -281,8 +281,8 @@ def execute(task: SimTask) -> dict[str, Any]:
     """Run one simulation (in a worker process) and summarise it as plain numbers."""
     logging.disable(logging.WARNING)
     from hetroute.learning.settings import LearningConfig
-    from hetroute.sim.simulator import Slowdown, run_simulation
     from hetroute.sim.workload import generate_workload
+    from hetroute.simulation.simulator import Slowdown, run_simulation
 
     _install_capture()
     _Capture.learner, _Capture.errors = None, []

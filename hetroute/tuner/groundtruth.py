@@ -21,8 +21,8 @@ from hetroute.catalog.specs import GpuSpec, ModelSpec
 from hetroute.sim.cluster_file import ClusterSpec as SimCluster
 from hetroute.sim.cluster_file import InstanceSpec
 from hetroute.sim.engine_model import EngineConfig, EngineModel
-from hetroute.sim.simulator import run_simulation
 from hetroute.sim.workload import SimRequest
+from hetroute.simulation.simulator import run_simulation
 from hetroute.tuner.cluster import EngineSettings
 
 

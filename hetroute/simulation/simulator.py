@@ -61,7 +61,7 @@ from hetroute.sim.workload import SimRequest
 from hetroute.types import EngineMetrics, FloatArray, IntArray, OutputLengthPredictor, Policy, RequestFeatures
 
 if TYPE_CHECKING:
-    from hetroute.sim.admission_run import SimAdmission
+    from hetroute.simulation.admission_run import SimAdmission
 
 _STEP_END, _SCRAPE, _ARRIVAL, _REFIT = 0, 1, 2, 3  # also the priority at equal times
 

@@ -33,8 +33,8 @@ from hetroute.clock import ManualClock
 from hetroute.learning.live import LiveModels
 from hetroute.routing.router import Router
 from hetroute.sim.cluster_file import Fleet
-from hetroute.sim.simulator import _WAKE, Slowdown, _Run
 from hetroute.sim.workload import SimRequest
+from hetroute.simulation.simulator import _WAKE, Slowdown, _Run
 from hetroute.types import OutputLengthPredictor
 
 Events = list[tuple[float, int, int]]
