@@ -282,7 +282,8 @@ def execute(task: SimTask) -> dict[str, Any]:
     logging.disable(logging.WARNING)
     from hetroute.learning.settings import LearningConfig
     from hetroute.sim.workload import generate_workload
-    from hetroute.simulation.simulator import Slowdown, run_simulation
+    from hetroute.simulation.run import Slowdown
+    from hetroute.simulation.simulator import run_simulation
 
     _install_capture()
     _Capture.learner, _Capture.errors = None, []

@@ -14,7 +14,8 @@ from hetroute.policies.backend_model import BackendModels
 from hetroute.sim.cluster_file import Fleet, blind_fleet, build_fleet
 from hetroute.sim.scenarios import get_scenario
 from hetroute.sim.workload import generate_workload
-from hetroute.simulation.simulator import Slowdown, run_simulation
+from hetroute.simulation.run import Slowdown
+from hetroute.simulation.simulator import run_simulation
 
 
 @pytest.fixture(scope="module")
