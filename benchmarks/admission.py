@@ -89,7 +89,7 @@ def _fleet(scenario: str, profile: bool) -> Any:
 
 def _admission(task: Task, workload: Sequence[Any]) -> Any:
     from hetroute.admission.config import parse_admission
-    from hetroute.sim.admission_run import SimAdmission
+    from hetroute.simulation.admission_run import SimAdmission
 
     if task.kind == "inf":
         unbounded = {"name": "default", "max_queue_len": 10**6, "max_queue_wait_s": 1e6}
@@ -110,8 +110,8 @@ def labels(workload: Sequence[Any], seed: int) -> dict[str, tuple[str, str]]:
 
 def execute(task: Task) -> dict[str, Any]:
     logging.disable(logging.WARNING)
-    from hetroute.sim.simulator import run_simulation
     from hetroute.sim.workload import generate_workload
+    from hetroute.simulation.simulator import run_simulation
 
     fleet = _fleet(task.scenario, task.profile)
     n = task.requests if math.isinf(task.rate) else int(round(task.rate * task.overload_s))

@@ -178,7 +178,7 @@ def sim_bound(work: Sequence[SimRequest]) -> float:
     """Σ standalone throughput of each paper-a instance on these requests (the simulator's bound)."""
     from hetroute.sim.cluster_file import build_fleet
     from hetroute.sim.scenarios import get_scenario
-    from hetroute.sim.simulator import run_simulation
+    from hetroute.simulation.simulator import run_simulation
 
     fleet = build_fleet(get_scenario("paper-a").cluster())
     return sum(  # ``work`` is at rate ∞ (every arrival at 0)

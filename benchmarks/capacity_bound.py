@@ -49,8 +49,8 @@ import numpy as np
 from hetroute.policies.backend_model import BackendModels, default_prior
 from hetroute.sim.cluster_file import Fleet, build_fleet
 from hetroute.sim.scenarios import get_scenario
-from hetroute.sim.simulator import run_simulation
 from hetroute.sim.workload import SimRequest, generate_workload
+from hetroute.simulation.simulator import run_simulation
 from hetroute.types import ClusterSnapshot, IntArray, RequestFeatures, RoutingDecision
 from predictors import build_predictor
 

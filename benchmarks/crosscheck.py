@@ -43,8 +43,8 @@ from hetroute.sim.emulator_text import filler_prompt
 from hetroute.sim.engine_model import EngineModel
 from hetroute.sim.prompt_text import PromptRenderer
 from hetroute.sim.scenarios import get_scenario
-from hetroute.sim.simulator import run_simulation
 from hetroute.sim.workload import SimRequest, generate_workload, parse_rate
+from hetroute.simulation.simulator import run_simulation
 
 GATEWAY_SCRAPE_INTERVAL_S = 1.0
 LAG_PROBE_S = 0.005

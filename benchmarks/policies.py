@@ -3,7 +3,7 @@
 Usage: ``python benchmarks/policies.py [--requests 4000] [--seeds 1,2,3] [--rates 8,16,24,inf]
 [--scenarios paper-a,paper-b,mixed] [--workers 2] [--quick] [--out benchmarks/results]``.
 
-Every run goes through :func:`hetroute.sim.simulator.run_simulation`, i.e. what ``hetroute simulate``
+Every run goes through :func:`hetroute.simulation.simulator.run_simulation`, i.e. what ``hetroute simulate``
 runs: the real Router, policy, Ledger and predictor in virtual time against the engine model.
 For each scenario and seed one ShareGPT-like workload is drawn (same lengths at every rate) and:
 
@@ -78,7 +78,7 @@ def _fleet(scenario: str) -> Any:
 
 def hand_weights(scenario: str) -> list[float]:
     """TP × dense FP16 TFLOP/s per instance: the paper's "GPU resources" rule (paper-a: 4:1)."""
-    from hetroute.sim.catalog import load_gpu_catalog
+    from hetroute.catalog.specs import load_gpu_catalog
 
     gpus = load_gpu_catalog()
     fleet = _fleet(scenario)
@@ -88,8 +88,8 @@ def hand_weights(scenario: str) -> list[float]:
 def execute(task: Task) -> dict[str, Any]:
     """Run one task (in a worker process) and summarise it as plain numbers."""
     logging.disable(logging.WARNING)
-    from hetroute.sim.simulator import run_simulation
     from hetroute.sim.workload import generate_workload
+    from hetroute.simulation.simulator import run_simulation
 
     fleet = _fleet(task.scenario)
     workload = generate_workload("sharegpt", task.requests, task.rate, task.seed, fleet.max_model_len())

@@ -82,7 +82,7 @@ def mean_tokens(workload: Sequence[Any]) -> float:
 
 def sim_run(fleet: Any, workload: Sequence[Any], policy: str, learning: bool) -> dict[str, Any]:
     from hetroute.learning.settings import LearningConfig
-    from hetroute.sim.simulator import run_simulation
+    from hetroute.simulation.simulator import run_simulation
 
     name, params = POLICIES[policy]
     res = run_simulation(

@@ -81,8 +81,8 @@ def execute(task: Task) -> dict[str, Any]:
     """One simulation, summarised as plain numbers."""
     logging.disable(logging.WARNING)
     from hetroute.learning.settings import LearningConfig
-    from hetroute.sim.simulator import run_simulation
     from hetroute.sim.workload import generate_workload
+    from hetroute.simulation.simulator import run_simulation
 
     fleet = _fleet(task.scenario, task.known)
     workload = generate_workload("sharegpt", task.requests, task.rate, task.seed, fleet.max_model_len())

@@ -93,15 +93,15 @@ TIE = 0.005
 
 
 def _catalogs() -> tuple[Any, Any]:
-    from hetroute.sim.catalog import load_gpu_catalog, load_model_catalog
+    from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog
 
     return load_gpu_catalog(), load_model_catalog()
 
 
 def roofline_profile(spec: Any) -> Any:
     """The catalog's roofline prior of one backend as a profile."""
+    from hetroute.catalog.specs import lookup_gpu, lookup_model
     from hetroute.prior import roofline_prior_profile
-    from hetroute.sim.catalog import lookup_gpu, lookup_model
 
     gpus, models = _catalogs()
     return roofline_prior_profile(lookup_gpu(gpus, spec.gpu), lookup_model(models, spec.models[0]), spec.tp)
@@ -206,7 +206,7 @@ class _Capture:
 
 def _install_capture() -> None:
     """Wrap the simulator's ``build_live_models`` so the run's learner and its held-out errors are kept."""
-    import hetroute.sim.simulator as simmod
+    import hetroute.simulation.simulator as simmod
     from hetroute.learning.fit import predict_e2e_s
 
     if getattr(simmod.build_live_models, "_self_calibration", False):  # type: ignore[attr-defined]
@@ -281,8 +281,9 @@ def execute(task: SimTask) -> dict[str, Any]:
     """Run one simulation (in a worker process) and summarise it as plain numbers."""
     logging.disable(logging.WARNING)
     from hetroute.learning.settings import LearningConfig
-    from hetroute.sim.simulator import Slowdown, run_simulation
     from hetroute.sim.workload import generate_workload
+    from hetroute.simulation.run import Slowdown
+    from hetroute.simulation.simulator import run_simulation
 
     _install_capture()
     _Capture.learner, _Capture.errors = None, []

@@ -23,8 +23,8 @@ from pathlib import Path
 from hetroute.policies import POLICIES
 from hetroute.sim.cluster_file import build_fleet
 from hetroute.sim.scenarios import get_scenario
-from hetroute.sim.simulator import run_simulation
 from hetroute.sim.workload import generate_workload, rate_label
+from hetroute.simulation.simulator import run_simulation
 
 RATES = (8.0, 16.0, 24.0, math.inf)
 

@@ -24,8 +24,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog
 from hetroute.commands.tune_deploy import default_prior, sample_requests
-from hetroute.sim.catalog import load_gpu_catalog, load_model_catalog
 from hetroute.tuner.cluster import ClusterSpec, load_cluster
 from hetroute.tuner.groundtruth import kendall_tau, measure_machine
 from hetroute.tuner.tune import tune

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog
 from hetroute.commands.tune_deploy import default_prior, sample_requests
-from hetroute.sim.catalog import load_gpu_catalog, load_model_catalog
 from hetroute.tuner.cluster import cluster_from_dict
 from hetroute.tuner.report import render_table, result_to_json
 from hetroute.tuner.tune import tune

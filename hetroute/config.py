@@ -26,7 +26,7 @@ from hetroute.admission.config import AdmissionConfig, parse_admission
 from hetroute.errors import ConfigError
 from hetroute.latency import LatencyProfile, ProfileError, load_profile
 from hetroute.learning.settings import LearningConfig
-from hetroute.policies import policy_names
+from hetroute.policy_names import policy_names
 from hetroute.prefix.settings import PrefixConfig
 from hetroute.routing.foreign import DEFAULT_FOREIGN_MODE, FOREIGN_MODES, ForeignMode
 from hetroute.types import ENGINE_KINDS, BackendSpec, EngineKind

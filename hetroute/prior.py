@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from hetroute.catalog.specs import GpuSpec, ModelSpec, kv_capacity_tokens
 from hetroute.latency import EngineLimits, FitQuality, LatencyParams, LatencyProfile
-from hetroute.sim.catalog import GpuSpec, ModelSpec, kv_capacity_tokens
 from hetroute.sim.engine_model import EngineConfig, EngineFlavour, EngineModel
 
 _Array = npt.NDArray[np.float64]

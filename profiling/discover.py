@@ -72,8 +72,8 @@ def parse_cache_config_info(metrics_text: str) -> tuple[int, int] | None:
 
 
 def catalog_kv_capacity(gpu: str, model: str, tp: int) -> int:
-    """KV capacity from ``hetroute.sim.catalog`` (GQA-correct formula of method.md §2)."""
-    from hetroute.sim import catalog
+    """KV capacity from ``hetroute.catalog.specs`` (GQA-correct formula of method.md §2)."""
+    from hetroute.catalog import specs as catalog
 
     try:
         gpu_spec = catalog.lookup_gpu(catalog.load_gpu_catalog(), gpu)

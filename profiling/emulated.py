@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog, lookup_gpu, lookup_model
 from hetroute.clock import MonotonicClock
-from hetroute.sim.catalog import load_gpu_catalog, load_model_catalog, lookup_gpu, lookup_model
 from hetroute.sim.emulator import build_emulator_app, run_emulator
 from hetroute.sim.engine_model import EngineConfig, EngineFlavour, EngineModel
 from profiling.collect import SweepConfig

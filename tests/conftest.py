@@ -19,10 +19,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from hetroute.app import LEDGER, build_app, start_app
+from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog, lookup_gpu, lookup_model
 from hetroute.clock import ManualClock
 from hetroute.config import config_from_dict
 from hetroute.routing.ledger import Ledger
-from hetroute.sim.catalog import load_gpu_catalog, load_model_catalog, lookup_gpu, lookup_model
 from hetroute.sim.emulator import Emulator, FaultConfig, build_emulator_app, emulator_of, run_emulator
 from hetroute.sim.emulator_protocol import EngineKind
 from hetroute.sim.engine_model import EngineConfig, EngineModel

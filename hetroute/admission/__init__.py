@@ -3,5 +3,5 @@
 ``config`` (the ``admission:`` section), ``queue`` (classes, ageing, bounds), ``fairness``
 (weighted fair sharing between tenants), ``full`` (when a backend is full; late-bound placement),
 ``gate`` (the gateway's asyncio adapter) and ``metrics`` (``hetroute_queue_*``). The simulator
-runs the same queue through ``hetroute.sim.admission_run``.
+runs the same queue through ``hetroute.simulation.admission_run``.
 """

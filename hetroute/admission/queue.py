@@ -2,7 +2,7 @@
 
 Owns the waiting requests of every priority class and the order in which they leave. It is
 synchronous, does no I/O and reads time only from the ``now_s`` it is given, so the gateway
-(:mod:`hetroute.admission.gate`) and the simulator (:mod:`hetroute.sim.admission_run`) run the
+(:mod:`hetroute.admission.gate`) and the simulator (:mod:`hetroute.simulation.admission_run`) run the
 same code.
 
 Order of service (:meth:`AdmissionQueue.pump`):

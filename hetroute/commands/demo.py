@@ -26,9 +26,9 @@ import aiohttp
 import numpy as np
 
 from hetroute.app import LEDGER, build_app, start_app
+from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog, lookup_gpu, lookup_model
 from hetroute.config import config_from_dict
 from hetroute.policies import resolve_policy_name
-from hetroute.sim.catalog import load_gpu_catalog, load_model_catalog, lookup_gpu, lookup_model
 from hetroute.sim.emulator import build_emulator_app, run_emulator
 from hetroute.sim.engine_model import EngineConfig, EngineModel
 from hetroute.sim.workload import SimRequest, generate_workload

@@ -13,9 +13,7 @@ import signal
 import sys
 from typing import Any
 
-from hetroute.clock import MonotonicClock
-from hetroute.errors import ConfigError
-from hetroute.sim.catalog import (
+from hetroute.catalog.specs import (
     UnknownCatalogEntry,
     WeightsDoNotFit,
     load_gpu_catalog,
@@ -23,6 +21,8 @@ from hetroute.sim.catalog import (
     lookup_gpu,
     lookup_model,
 )
+from hetroute.clock import MonotonicClock
+from hetroute.errors import ConfigError
 from hetroute.sim.emulator import FaultConfig, build_emulator_app, run_emulator
 from hetroute.sim.engine_model import EngineConfig, EngineModel
 

@@ -2,7 +2,7 @@
 
 Parses the command line, resolves the cluster (built-in scenario or cluster file), builds one
 workload per rate (same lengths at every rate for one seed), runs every policy on it with
-:func:`hetroute.sim.simulator.run_simulation`, prints a table and writes JSON/PNG on request.
+:func:`hetroute.simulation.simulator.run_simulation`, prints a table and writes JSON/PNG on request.
 
 Policy syntax (``--policies`` is comma-separated; ``--policy`` takes one spec and may repeat)::
 
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from hetroute.errors import ConfigError
 
 if TYPE_CHECKING:
-    from hetroute.sim.admission_run import SimAdmission
+    from hetroute.simulation.admission_run import SimAdmission
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +224,7 @@ def _admission(source: str | None) -> SimAdmission | None:
     import yaml
 
     from hetroute.admission.config import AdmissionConfig, parse_admission
-    from hetroute.sim.admission_run import SimAdmission
+    from hetroute.simulation.admission_run import SimAdmission
 
     if source is None:
         return None
@@ -244,7 +244,9 @@ def _run(args: argparse.Namespace) -> int:
     from hetroute.policies import resolve_policy_name
     from hetroute.sim.cluster_file import blind_fleet, build_fleet, load_cluster_file
     from hetroute.sim.named_workloads import build_named_workload, workload_source
-    from hetroute.sim.report import (
+    from hetroute.sim.scenarios import get_scenario
+    from hetroute.sim.workload import parse_rate, rate_label
+    from hetroute.simulation.report import (
         MatrixRun,
         build_document,
         format_table,
@@ -252,9 +254,7 @@ def _run(args: argparse.Namespace) -> int:
         write_json,
         write_plot,
     )
-    from hetroute.sim.scenarios import get_scenario
-    from hetroute.sim.simulator import GATEWAY_SCRAPE_INTERVAL_S, run_simulation
-    from hetroute.sim.workload import parse_rate, rate_label
+    from hetroute.simulation.simulator import GATEWAY_SCRAPE_INTERVAL_S, run_simulation
 
     if args.list_scenarios:
         return _list_scenarios()

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from hetroute.catalog.specs import GpuSpec, ModelSpec, load_gpu_catalog, load_model_catalog
 from hetroute.errors import ConfigError
 from hetroute.latency import LatencyProfile, ProfileError
 from hetroute.prior import roofline_prior_profile
-from hetroute.sim.catalog import GpuSpec, ModelSpec, load_gpu_catalog, load_model_catalog
 from hetroute.sim.workload import WORKLOAD_KINDS, generate_workload, load_trace
 from hetroute.tuner.cluster import ClusterSpec, EngineSettings, load_cluster
 from hetroute.tuner.emit import write_compose, write_router_config

@@ -2,7 +2,8 @@
 
 Every policy is a pure decision over an immutable snapshot (``hetroute.types.Policy``),
 in its own module, built by ``from_config(params, ctx)``. ``default`` is an alias for
-:data:`DEFAULT_POLICY`, the policy hetroute uses when none is configured.
+:data:`DEFAULT_POLICY`, the policy hetroute uses when none is configured. The names alone (what
+config validation needs) live in :mod:`hetroute.policy_names`, which loads no policy.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hetroute.policies.random_choice import RandomChoice
 from hetroute.policies.round_robin import RoundRobin
 from hetroute.policies.session_hash import SessionHash
 from hetroute.policies.weighted_round_robin import WeightedRoundRobin
+from hetroute.policy_names import DEFAULT_POLICY, policy_names, resolve_policy_name
 from hetroute.types import Policy
 
 POLICIES: dict[str, PolicyFactory] = {
@@ -36,9 +38,6 @@ POLICIES: dict[str, PolicyFactory] = {
     "session_hash": SessionHash.from_config,
 }
 
-DEFAULT_POLICY = "balanced_minmax"
-"""The policy behind the ``default`` alias."""
-
 __all__ = [
     "DEFAULT_POLICY",
     "POLICIES",
@@ -47,16 +46,6 @@ __all__ = [
     "policy_names",
     "resolve_policy_name",
 ]
-
-
-def policy_names() -> tuple[str, ...]:
-    """Every valid ``policy.type``, including the ``default`` alias."""
-    return ("default", *sorted(POLICIES))
-
-
-def resolve_policy_name(name: str) -> str:
-    """Map ``default`` to the real policy name; other names pass through."""
-    return DEFAULT_POLICY if name == "default" else name
 
 
 def build_policy(name: str, params: Mapping[str, object], ctx: PolicyContext) -> Policy:

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetroute.catalog.specs import GpuSpec, ModelSpec
 from hetroute.errors import ConfigError
 from hetroute.latency import LatencyParams, LatencyProfile
-from hetroute.sim.catalog import GpuSpec, ModelSpec
 from hetroute.types import BackendSpec, ClusterSnapshot, EngineMetrics, FloatArray, IntArray
 
 log = logging.getLogger(__name__)
@@ -65,8 +65,8 @@ def default_prior() -> PriorFn:
 
     Catalogs are loaded on the first call and kept by the returned closure (one per policy build).
     """
+    from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog, lookup_gpu, lookup_model
     from hetroute.prior import roofline_prior_profile
-    from hetroute.sim.catalog import load_gpu_catalog, load_model_catalog, lookup_gpu, lookup_model
 
     catalogs: list[tuple[Mapping[str, GpuSpec], Mapping[str, ModelSpec]]] = []
 

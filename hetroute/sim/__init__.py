@@ -1,1 +1,5 @@
-"""hetroute.sim."""
+"""The simulated world: the engine model, the HTTP emulator, workloads and cluster files.
+
+Nothing here imports the router (``hetroute.policies``, ``hetroute.routing``, ``hetroute.proxy``):
+``hetroute.simulation`` runs the real router in this world (``tests/unit/test_import_layers.py``).
+"""

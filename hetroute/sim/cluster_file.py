@@ -36,9 +36,7 @@ from typing import Any, Final
 
 import yaml
 
-from hetroute.errors import ConfigError
-from hetroute.latency import ProfileError, load_profile
-from hetroute.sim.catalog import (
+from hetroute.catalog.specs import (
     GpuSpec,
     ModelSpec,
     UnknownCatalogEntry,
@@ -48,6 +46,8 @@ from hetroute.sim.catalog import (
     lookup_gpu,
     lookup_model,
 )
+from hetroute.errors import ConfigError
+from hetroute.latency import ProfileError, load_profile
 from hetroute.sim.engine_model import EngineConfig, EngineFlavour, EngineModel
 from hetroute.types import BackendSpec
 

@@ -1,6 +1,8 @@
 """Delivering one emulated request's tokens to its client: SSE streams and non-stream bodies.
 
-Owns :class:`Live` (the per-request state the emulator's driver updates) and :func:`respond`. A handler
+Owns :class:`Live` (the per-request state the emulator's driver updates), :func:`respond` and
+:class:`StreamHost`, what ``respond`` needs of the emulator (``hetroute.sim.emulator.Emulator`` is one;
+this module does not import it). A handler
 waits on ``Live.changed`` (set by the driver for each token and at the end), polling the transport so a
 client that went away is noticed even without handler cancellation; the caller then aborts the request in
 the engine. Per-request faults (drop after k tokens, stall after k tokens, crash) are applied here.
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -24,9 +26,6 @@ from hetroute.sim.emulator_protocol import (
     tgi_token,
 )
 from hetroute.sim.emulator_text import TextSource
-
-if TYPE_CHECKING:
-    from hetroute.sim.emulator import Emulator
 
 POLL_S = 0.25  # wall seconds between checks that the client is still connected
 
@@ -78,6 +77,36 @@ class Live:
         return "length" if self.output_tokens >= self.cap_tokens else "stop"
 
 
+class StreamFaults(Protocol):
+    """The per-stream faults (``FaultConfig`` fields): drop or stall after that many tokens."""
+
+    @property
+    def fail_mid_stream_after_tokens(self) -> int | None: ...
+
+    @property
+    def hang_after_tokens(self) -> int | None: ...
+
+
+class StreamHost(Protocol):
+    """What :func:`respond` reads of the emulator, and the one call it makes (``release``)."""
+
+    @property
+    def faults(self) -> StreamFaults: ...
+
+    @property
+    def closing(self) -> asyncio.Event:
+        """Set when the app shuts down: a hung request waits on it."""
+
+    @property
+    def created_unix(self) -> int: ...
+
+    @property
+    def served_model(self) -> str: ...
+
+    def release(self, live: Live) -> None:
+        """Abort ``live`` in the engine if unfinished (frees its KV blocks): a stalled stream lets go."""
+
+
 def _drop(request: web.Request) -> web.StreamResponse:
     if request.transport is not None:
         request.transport.abort()
@@ -101,7 +130,7 @@ def _sse(payload: dict[str, Any], tgi: bool) -> bytes:
     return (b"data:" if tgi else b"data: ") + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def respond(emu: Emulator, request: web.Request, req: GenRequest, live: Live) -> web.StreamResponse:
+async def respond(emu: StreamHost, request: web.Request, req: GenRequest, live: Live) -> web.StreamResponse:
     """Answer ``req`` once its tokens arrive; the caller releases the request afterwards."""
     try:
         if live.hang and emu.faults.hang_after_tokens is None:
@@ -118,7 +147,7 @@ def _tgi_finish(live: Live) -> str:
     return "length" if live.finish_reason == "length" else "eos_token"
 
 
-async def _collect(emu: Emulator, request: web.Request, req: GenRequest, live: Live) -> web.StreamResponse:
+async def _collect(emu: StreamHost, request: web.Request, req: GenRequest, live: Live) -> web.StreamResponse:
     fail_after = emu.faults.fail_mid_stream_after_tokens
     hang_after = emu.faults.hang_after_tokens if live.hang else None
     while not live.done:
@@ -143,7 +172,7 @@ async def _collect(emu: Emulator, request: web.Request, req: GenRequest, live: L
     return web.json_response(body)
 
 
-async def _stream(emu: Emulator, request: web.Request, req: GenRequest, live: Live) -> web.StreamResponse:
+async def _stream(emu: StreamHost, request: web.Request, req: GenRequest, live: Live) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     fail_after = emu.faults.fail_mid_stream_after_tokens

@@ -40,7 +40,7 @@ blocks are cached when it leaves the batch (TGI inserts a prefill into its radix
 Invariants: used blocks (private + referenced cached blocks, each once) ≤ num_gpu_blocks; running ≤
 max_num_seqs; tokens scheduled per step ≤ budget; every submitted request that is not aborted emits
 exactly ``output_tokens`` tokens and then finishes.
-Step time comes from :mod:`hetroute.sim.roofline`.
+Step time comes from :mod:`hetroute.catalog.roofline`.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from hetroute.catalog.roofline import StepCost, step_cost
 from hetroute.errors import ConfigError
 from hetroute.sim.engine_types import (
     EngineConfig,
@@ -59,7 +60,6 @@ from hetroute.sim.engine_types import (
     TokenEvent,
 )
 from hetroute.sim.prefix_cache import BlockPool
-from hetroute.sim.roofline import StepCost, step_cost
 
 __all__ = [
     "EngineConfig",

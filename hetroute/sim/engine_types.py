@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from hetroute.catalog.specs import GpuSpec, ModelSpec, check_tp, kv_capacity_tokens
 from hetroute.errors import ConfigError
-from hetroute.sim.catalog import GpuSpec, ModelSpec, check_tp, kv_capacity_tokens
 
 EngineFlavour = Literal["vllm", "tgi"]
 

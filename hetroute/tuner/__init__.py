@@ -4,5 +4,5 @@ Modules: ``cluster`` (+ ``fields``) the validated cluster file; ``feasibility`` 
 ``algorithm1`` the paper's estimate, fixed; ``iteration`` the iteration-level continuous-batching estimate;
 ``estimate`` one configuration end to end; ``search`` the per-machine and exact joint choice; ``tune`` the
 pipeline; ``report`` table/JSON/PNG; ``emit`` router config and docker-compose; ``groundtruth`` the
-simulator measurement the estimates are validated against.
+engine-model measurement the estimates are validated against. The tuner imports nothing of the router.
 """

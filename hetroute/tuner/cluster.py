@@ -33,9 +33,9 @@ from typing import Any
 
 import yaml
 
+from hetroute.catalog.specs import GpuSpec, ModelSpec, UnknownCatalogEntry, lookup_gpu, lookup_model
 from hetroute.latency import LatencyProfile, ProfileError, load_profile
-from hetroute.policies import policy_names
-from hetroute.sim.catalog import GpuSpec, ModelSpec, UnknownCatalogEntry, lookup_gpu, lookup_model
+from hetroute.policy_names import policy_names
 from hetroute.tuner.fields import ClusterError, FieldReader
 
 __all__ = [

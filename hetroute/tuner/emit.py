@@ -23,8 +23,8 @@ from typing import Any
 
 import yaml
 
+from hetroute.catalog.specs import GpuSpec, ModelSpec
 from hetroute.latency import LatencyProfile, save_profile
-from hetroute.sim.catalog import GpuSpec, ModelSpec
 from hetroute.tuner.estimate import PriorFn
 from hetroute.tuner.tune import TuneResult
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetroute.catalog.specs import GpuSpec, ModelSpec
 from hetroute.latency import LatencyProfile
-from hetroute.sim.catalog import GpuSpec, ModelSpec
 from hetroute.tuner.algorithm1 import algorithm1_estimate
 from hetroute.tuner.cluster import EngineSettings, SloSpec
 from hetroute.tuner.feasibility import check_instance

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetroute.sim.catalog import GIB, GpuSpec, ModelSpec, WeightsDoNotFit, kv_capacity_tokens
+from hetroute.catalog.specs import GIB, GpuSpec, ModelSpec, WeightsDoNotFit, kv_capacity_tokens
 from hetroute.tuner.cluster import EngineSettings
 
 

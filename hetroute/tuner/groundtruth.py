@@ -7,8 +7,9 @@ instances are independent and the machine's makespan is the largest instance mak
 Σ(input + output tokens) / makespan (method.md §8). This is what the estimates are judged against; it is
 slow (one Python step per engine iteration) and never used to choose a deployment.
 
-:func:`measure_machine_routed` does the same through the real simulator (router, ledger, round_robin
-policy) as a cross-check; :func:`kendall_tau` compares rankings.
+:func:`kendall_tau` compares rankings. The tuner knows nothing of the router: the cross-check of
+:func:`measure_machine` against the real simulator (router, ledger, ``round_robin``) is a test
+(``tests/unit/test_tuner_groundtruth.py``).
 """
 
 from __future__ import annotations
@@ -17,12 +18,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hetroute.sim.catalog import GpuSpec, ModelSpec
-from hetroute.sim.cluster_file import ClusterSpec as SimCluster
-from hetroute.sim.cluster_file import InstanceSpec
+from hetroute.catalog.specs import GpuSpec, ModelSpec
 from hetroute.sim.engine_model import EngineConfig, EngineModel
-from hetroute.sim.simulator import run_simulation
-from hetroute.sim.workload import SimRequest
 from hetroute.tuner.cluster import EngineSettings
 
 
@@ -70,33 +67,6 @@ def measure_machine(
     tokens = sum(i + o for i, o in requests)
     makespan = max(makespans)
     return MachineMeasurement(tokens / makespan, makespan, tuple(makespans), preemptions)
-
-
-def measure_machine_routed(
-    gpu: GpuSpec,
-    model: ModelSpec,
-    tp: int,
-    instances: int,
-    requests: Sequence[tuple[int, int]],
-    engine: EngineSettings,
-) -> float:
-    """Saturation throughput (tokens/s) of the machine through ``run_simulation`` with ``round_robin``."""
-    args: dict[str, int | float | bool] = {
-        "max_num_seqs": engine.max_num_seqs,
-        "max_num_batched_tokens": engine.batched_tokens(),
-        "gpu_memory_utilization": engine.gpu_memory_utilization,
-        "overhead_gib_per_gpu": engine.overhead_gib_per_gpu,
-        "max_model_len": engine.model_len(model),
-    }
-    cluster = SimCluster(
-        name=f"{gpu.name}-tp{tp}",
-        instances=tuple(
-            InstanceSpec(name=f"i{k}", gpu=gpu.name, tp=tp, model=model.name, engine_args=args)
-            for k in range(instances)
-        ),
-    )
-    workload = [SimRequest(f"r{j}", 0.0, i, o, model=model.name) for j, (i, o) in enumerate(requests)]
-    return run_simulation(cluster, workload, "round_robin").throughput_tokens_per_s
 
 
 def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:

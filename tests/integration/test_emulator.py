@@ -17,9 +17,9 @@ import openai
 import pytest
 from text_generation import AsyncClient
 
+from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog
 from hetroute.clock import ManualClock
 from hetroute.errors import ConfigError
-from hetroute.sim.catalog import load_gpu_catalog, load_model_catalog
 from hetroute.sim.emulator import Emulator, FaultConfig, build_emulator_app, emulator_of, run_emulator
 from hetroute.sim.engine_model import EngineConfig, EngineModel
 

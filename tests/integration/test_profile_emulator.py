@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from hetroute.catalog import specs as catalog
 from hetroute.clock import MonotonicClock
 from hetroute.latency import load_profile
-from hetroute.sim import catalog
 from hetroute.sim.emulator import build_emulator_app, emulator_of, run_emulator
 from profiling.collect import SweepConfig
 from profiling.discover import DiscoveryError, Overrides, discover

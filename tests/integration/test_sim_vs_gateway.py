@@ -18,8 +18,8 @@ import pytest
 
 from hetroute.sim.cluster_file import build_fleet
 from hetroute.sim.scenarios import get_scenario
-from hetroute.sim.simulator import run_simulation
 from hetroute.sim.workload import generate_workload
+from hetroute.simulation.simulator import run_simulation
 
 HARNESS = Path(__file__).resolve().parents[2] / "benchmarks" / "crosscheck.py"
 

@@ -12,11 +12,11 @@ import pytest
 
 from hetroute.admission.config import parse_admission
 from hetroute.commands import simulate as simulate_cmd
-from hetroute.sim.admission_run import SimAdmission
 from hetroute.sim.cluster_file import Fleet, build_fleet
 from hetroute.sim.scenarios import get_scenario
-from hetroute.sim.simulator import run_simulation
 from hetroute.sim.workload import generate_workload
+from hetroute.simulation.admission_run import SimAdmission
+from hetroute.simulation.simulator import run_simulation
 
 CAPACITY_RPS = 44.0  # paper-a: ≈ 18,000 tok/s at saturation / ≈ 416 tokens per ShareGPT-like request
 

@@ -16,8 +16,8 @@ import pytest
 from hetroute.policies import DEFAULT_POLICY
 from hetroute.sim.cluster_file import Fleet, build_fleet
 from hetroute.sim.scenarios import get_scenario
-from hetroute.sim.simulator import SimResult, run_simulation
 from hetroute.sim.workload import SimRequest, generate_workload
+from hetroute.simulation.simulator import SimResult, run_simulation
 from hetroute.types import ClusterSnapshot, IntArray, RequestFeatures, RoutingDecision
 
 SEED = 5

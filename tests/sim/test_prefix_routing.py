@@ -9,7 +9,7 @@ import numpy as np
 from hetroute.sim.cluster_file import build_fleet, parse_cluster
 from hetroute.sim.prefix_workloads import generate_prefix_workload
 from hetroute.sim.scenarios import get_scenario
-from hetroute.sim.simulator import run_simulation
+from hetroute.simulation.simulator import run_simulation
 
 TWINS: dict[str, Any] = {
     "name": "twins",

@@ -8,11 +8,11 @@ import pytest
 from hetroute.admission.config import AdmissionConfig
 from hetroute.errors import ConfigError
 from hetroute.learning.settings import LearningConfig
-from hetroute.sim.admission_run import SimAdmission
 from hetroute.sim.cluster_file import build_fleet
 from hetroute.sim.scenarios import get_scenario
-from hetroute.sim.simulator import run_simulation
 from hetroute.sim.workload import generate_workload
+from hetroute.simulation.admission_run import SimAdmission
+from hetroute.simulation.simulator import run_simulation
 
 
 def test_one_replica_decides_the_same_whatever_it_does_with_foreign_load() -> None:

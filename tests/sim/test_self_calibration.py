@@ -13,8 +13,9 @@ from hetroute.learning.settings import LearningConfig
 from hetroute.policies.backend_model import BackendModels
 from hetroute.sim.cluster_file import Fleet, blind_fleet, build_fleet
 from hetroute.sim.scenarios import get_scenario
-from hetroute.sim.simulator import Slowdown, run_simulation
 from hetroute.sim.workload import generate_workload
+from hetroute.simulation.run import Slowdown
+from hetroute.simulation.simulator import run_simulation
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +33,8 @@ def wrong_prior(fleet: Fleet, factors: tuple[float, ...]) -> Fleet:
     truth = BackendModels.from_specs(fleet.backends)
     out = []
     for b, model, f in zip(fleet.backends, truth.models, factors, strict=True):
+        from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog, lookup_gpu, lookup_model
         from hetroute.prior import roofline_prior_profile
-        from hetroute.sim.catalog import load_gpu_catalog, load_model_catalog, lookup_gpu, lookup_model
 
         profile = roofline_prior_profile(
             lookup_gpu(load_gpu_catalog(), b.gpu or ""),

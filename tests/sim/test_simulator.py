@@ -15,8 +15,8 @@ from hetroute.errors import ConfigError
 from hetroute.sim.cluster_file import Fleet, build_fleet, parse_cluster
 from hetroute.sim.engine_model import EngineModel
 from hetroute.sim.scenarios import get_scenario
-from hetroute.sim.simulator import run_simulation
 from hetroute.sim.workload import SimRequest, generate_workload
+from hetroute.simulation.simulator import run_simulation
 from hetroute.types import ClusterSnapshot, EngineMetrics, IntArray, RequestFeatures, RoutingDecision
 
 

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hetroute.errors import ConfigError
-from hetroute.sim.catalog import (
+from hetroute.catalog.specs import (
     GIB,
     CatalogError,
     UnknownCatalogEntry,
@@ -20,6 +19,7 @@ from hetroute.sim.catalog import (
     lookup_gpu,
     lookup_model,
 )
+from hetroute.errors import ConfigError
 
 GPU_ITEM = {
     "name": "X",

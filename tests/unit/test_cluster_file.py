@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from hetroute.catalog.specs import kv_capacity_tokens, load_gpu_catalog, load_model_catalog
 from hetroute.errors import ConfigError
-from hetroute.sim.catalog import kv_capacity_tokens, load_gpu_catalog, load_model_catalog
 from hetroute.sim.cluster_file import build_fleet, load_cluster_file, parse_cluster
 from hetroute.sim.scenarios import SCENARIOS, get_scenario
 

@@ -19,9 +19,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from hetroute.catalog.specs import load_model_catalog
 from hetroute.cli import build_parser
 from hetroute.config import load_config
-from hetroute.sim.catalog import load_model_catalog
 from hetroute.sim.cluster_file import build_fleet, parse_cluster
 from hetroute.sim.emulator_metrics import EmulatorMetrics
 from hetroute.sim.engine_model import EngineModel

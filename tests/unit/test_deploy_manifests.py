@@ -34,9 +34,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from hetroute.app import build_app, start_app
+from hetroute.catalog.specs import load_gpu_catalog, lookup_gpu
 from hetroute.cli import build_parser
 from hetroute.config import Config, load_config
-from hetroute.sim.catalog import load_gpu_catalog, lookup_gpu
 from tests.conftest import EmulateFn
 
 REPO = Path(__file__).resolve().parents[2]

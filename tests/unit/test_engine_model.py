@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog
 from hetroute.errors import ConfigError
-from hetroute.sim.catalog import load_gpu_catalog, load_model_catalog
 from hetroute.sim.engine_model import EngineConfig, EngineModel, PromptTooLong, StepOutcome
 
 GPUS = load_gpu_catalog()

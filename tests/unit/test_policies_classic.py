@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from hetroute.errors import ConfigError
-from hetroute.policies import DEFAULT_POLICY, PolicyContext, build_policy, policy_names
+from hetroute.policies import DEFAULT_POLICY, POLICIES, PolicyContext, build_policy, policy_names
+from hetroute.policy_names import POLICY_NAMES
 from hetroute.types import BackendSpec, Policy
 from tests.unit.snapshots import features, snapshot, spec
 
@@ -149,3 +150,8 @@ def test_default_alias_resolves() -> None:
     bs = (spec("a"), spec("b"))
     assert build_policy("default", {}, PolicyContext(bs)).name == DEFAULT_POLICY
     assert "default" in policy_names()
+
+
+def test_the_names_config_validates_against_are_the_registry() -> None:
+    """hetroute.policy_names lists the names without loading the policies; it must match the table."""
+    assert tuple(sorted(POLICIES)) == POLICY_NAMES

@@ -7,10 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hetroute.latency import profile_from_dict, profile_to_dict
-from hetroute.prior import roofline_prior_profile
-from hetroute.sim.catalog import WeightsDoNotFit, kv_bytes_per_token, load_gpu_catalog, load_model_catalog
-from hetroute.sim.roofline import (
+from hetroute.catalog.roofline import (
     calibration_rows,
     calibration_table_markdown,
     decode_step_s,
@@ -18,6 +15,9 @@ from hetroute.sim.roofline import (
     prefill_step_s,
     step_cost,
 )
+from hetroute.catalog.specs import WeightsDoNotFit, kv_bytes_per_token, load_gpu_catalog, load_model_catalog
+from hetroute.latency import profile_from_dict, profile_to_dict
+from hetroute.prior import roofline_prior_profile
 
 GPUS = load_gpu_catalog()
 MODELS = load_model_catalog()

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
+from hetroute.catalog.specs import GpuSpec, ModelSpec, load_gpu_catalog, load_model_catalog
 from hetroute.latency import EngineLimits, LatencyParams, LatencyProfile, save_profile
-from hetroute.sim.catalog import GpuSpec, ModelSpec, load_gpu_catalog, load_model_catalog
 from hetroute.tuner.cluster import ClusterSpec, cluster_from_dict, load_cluster
 from hetroute.tuner.fields import ClusterError
 

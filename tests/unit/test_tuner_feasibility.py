@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetroute.sim.catalog import GIB, GpuSpec, ModelSpec, load_gpu_catalog, load_model_catalog
+from hetroute.catalog.specs import GIB, GpuSpec, ModelSpec, load_gpu_catalog, load_model_catalog
 from hetroute.tuner.cluster import EngineSettings
 from hetroute.tuner.feasibility import check_instance
 

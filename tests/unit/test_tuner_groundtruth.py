@@ -2,12 +2,44 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
-from hetroute.sim.catalog import load_gpu_catalog, load_model_catalog
-from hetroute.sim.workload import generate_workload
+from hetroute.catalog.specs import GpuSpec, ModelSpec, load_gpu_catalog, load_model_catalog
+from hetroute.sim.cluster_file import ClusterSpec, InstanceSpec
+from hetroute.sim.workload import SimRequest, generate_workload
+from hetroute.simulation.simulator import run_simulation
 from hetroute.tuner.cluster import EngineSettings
-from hetroute.tuner.groundtruth import kendall_tau, measure_machine, measure_machine_routed
+from hetroute.tuner.groundtruth import kendall_tau, measure_machine
+
+
+def measure_machine_routed(
+    gpu: GpuSpec,
+    model: ModelSpec,
+    tp: int,
+    instances: int,
+    requests: Sequence[tuple[int, int]],
+    engine: EngineSettings,
+) -> float:
+    """Saturation throughput (tokens/s) of the machine through ``run_simulation`` with ``round_robin``:
+    the router's side of the cross-check, kept here so the tuner imports nothing of the router."""
+    args: dict[str, int | float | bool] = {
+        "max_num_seqs": engine.max_num_seqs,
+        "max_num_batched_tokens": engine.batched_tokens(),
+        "gpu_memory_utilization": engine.gpu_memory_utilization,
+        "overhead_gib_per_gpu": engine.overhead_gib_per_gpu,
+        "max_model_len": engine.model_len(model),
+    }
+    cluster = ClusterSpec(
+        name=f"{gpu.name}-tp{tp}",
+        instances=tuple(
+            InstanceSpec(name=f"i{k}", gpu=gpu.name, tp=tp, model=model.name, engine_args=args)
+            for k in range(instances)
+        ),
+    )
+    workload = [SimRequest(f"r{j}", 0.0, i, o, model=model.name) for j, (i, o) in enumerate(requests)]
+    return run_simulation(cluster, workload, "round_robin").throughput_tokens_per_s
 
 
 def test_kendall_tau() -> None:

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import yaml
 
+from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog
 from hetroute.commands.tune_deploy import default_prior
 from hetroute.config import load_config
 from hetroute.latency import save_profile
-from hetroute.sim.catalog import load_gpu_catalog, load_model_catalog
 from hetroute.sim.workload import generate_workload
 from hetroute.tuner.cluster import ClusterSpec, cluster_from_dict
 from hetroute.tuner.emit import compose_file, write_compose, write_router_config

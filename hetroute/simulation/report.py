@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from hetroute.sim.cluster_file import Fleet
-from hetroute.sim.simulator import SimResult
 from hetroute.sim.workload import SimRequest
+from hetroute.simulation.simulator import SimResult
 
 SCHEMA = "hetroute.simulate/1"
 

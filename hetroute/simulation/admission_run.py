@@ -33,8 +33,8 @@ from hetroute.clock import ManualClock
 from hetroute.learning.live import LiveModels
 from hetroute.routing.router import Router
 from hetroute.sim.cluster_file import Fleet
-from hetroute.sim.simulator import _WAKE, Slowdown, _Run
 from hetroute.sim.workload import SimRequest
+from hetroute.simulation.run import WAKE, Run, Slowdown
 from hetroute.types import OutputLengthPredictor
 
 Events = list[tuple[float, int, int]]
@@ -58,14 +58,14 @@ class SimAdmission:
         scrape_interval_s: float,
         learner: LiveModels | None = None,
         slowdowns: Sequence[Slowdown] = (),
-    ) -> _Run:
+    ) -> Run:
         return AdmittedRun(
             fleet, workload, router, predictor, clock, scrape_interval_s, self, learner, slowdowns
         )
 
 
-class AdmittedRun(_Run):
-    """A :class:`_Run` whose arrivals wait in the admission queue while every backend is full."""
+class AdmittedRun(Run):
+    """A :class:`Run` whose arrivals wait in the admission queue while every backend is full."""
 
     def __init__(
         self,
@@ -139,7 +139,7 @@ class AdmittedRun(_Run):
         deadline = queue.next_deadline_s()
         if deadline is not None and (self.wake_at_s is None or deadline < self.wake_at_s):
             self.wake_at_s = deadline
-            events.append((deadline, _WAKE, 0))
+            events.append((deadline, WAKE, 0))
         return events
 
     def admission_result(self) -> dict[str, Any]:

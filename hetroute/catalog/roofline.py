@@ -19,7 +19,7 @@ KV cache in total. With P parameters, L layers, hidden size d, tensor-parallel d
 Llama-2-70B figures fit better with partial or no overlap (docs/calibration.md). An empty step
 (no tokens) costs 0.
 
-Run ``python -m hetroute.sim.roofline --calibration-table`` to print the comparison with the
+Run ``python -m hetroute.catalog.roofline --calibration-table`` to print the comparison with the
 published measurements (the table in docs/calibration.md).
 """
 
@@ -30,7 +30,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hetroute.sim.catalog import GpuSpec, ModelSpec, check_tp, kv_bytes_per_token
+from hetroute.catalog.specs import GpuSpec, ModelSpec, check_tp, kv_bytes_per_token
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,10 +212,10 @@ def calibration_table_markdown(gpus: dict[str, GpuSpec], models: dict[str, Model
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from hetroute.sim.catalog import load_gpu_catalog, load_model_catalog
+    from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog
 
     parser = argparse.ArgumentParser(
-        prog="python -m hetroute.sim.roofline", description=__doc__.split("\n")[0]
+        prog="python -m hetroute.catalog.roofline", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--calibration-table", action="store_true", help="print the calibration comparison")
     args = parser.parse_args(argv)
