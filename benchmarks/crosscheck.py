@@ -19,7 +19,8 @@ per-backend split); in a noisier run default differed by 1.6 %. A run at rate ``
 comparison: the client and gateway need about 1 s of wall time to admit 200 requests, so the "burst"
 reaches the engines spread out, while the simulator delivers it at one instant.
 
-``tests/integration/test_sim_vs_gateway.py`` runs a small case and asserts agreement within 5 %.
+The harness is :mod:`hetroute.simulation.crosscheck`; ``tests/integration/test_sim_vs_gateway.py`` runs
+a small case with it and asserts agreement within 5 %.
 """
 
 from __future__ import annotations
@@ -29,179 +30,12 @@ import asyncio
 import math
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from contextlib import AsyncExitStack, suppress
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-import aiohttp
-
-from hetroute.app import build_app, start_app
-from hetroute.config import config_from_dict
-from hetroute.sim.cluster_file import Fleet, build_fleet
-from hetroute.sim.emulator import build_emulator_app, run_emulator
-from hetroute.sim.emulator_text import filler_prompt
-from hetroute.sim.engine_model import EngineModel
-from hetroute.sim.prompt_text import PromptRenderer
+from hetroute.sim.cluster_file import build_fleet
 from hetroute.sim.scenarios import get_scenario
-from hetroute.sim.workload import SimRequest, generate_workload, parse_rate
-from hetroute.simulation.simulator import run_simulation
-
-GATEWAY_SCRAPE_INTERVAL_S = 1.0
-LAG_PROBE_S = 0.005
-
-
-@dataclass(frozen=True, slots=True)
-class Measured:
-    """Throughput of one run in virtual time."""
-
-    makespan_s: float
-    tokens: int
-    per_backend: Mapping[str, int]
-    loop_lag_p99_s: float = 0.0
-    """Gateway runs: p99 of how late a 5 ms timer fired; large values mean the process was starved of CPU."""
-
-    @property
-    def throughput_tokens_per_s(self) -> float:
-        return self.tokens / self.makespan_s
-
-
-def gateway_config(
-    fleet: Fleet,
-    urls: Sequence[str],
-    policy: str,
-    params: Mapping[str, object],
-    seed: int,
-    scrape_interval_s: float,
-) -> dict[str, object]:
-    """The router config for the emulated cluster (engine, model, GPU and KV capacity given, no discovery)."""
-    backends = [
-        {
-            "name": b.name,
-            "url": url,
-            "engine": b.engine,
-            "models": list(b.models),
-            "weight": b.weight,
-            "gpu": b.gpu,
-            "tp": b.tp,
-            "kv_capacity_tokens": b.kv_capacity_tokens,
-            "max_num_seqs": b.max_num_seqs,
-        }
-        for b, url in zip(fleet.backends, urls, strict=True)
-    ]
-    return {
-        "backends": backends,
-        "policy": {"type": policy, "params": dict(params)},
-        "seed": seed,
-        "scrape": {"interval_s": scrape_interval_s},
-        "server": {"access_log": False},
-    }
-
-
-_RENDER = PromptRenderer()
-
-
-async def _send(session: aiohttp.ClientSession, url: str, model: str, req: SimRequest) -> tuple[int, str]:
-    body: dict[str, object] = {
-        "model": model,
-        # A workload with prompt segments shares exactly those prefixes (the engines cache them, as in
-        # the simulator); without, no two prompts share a block.
-        "prompt": _RENDER.completion_prompt(req)
-        if req.segments
-        else filler_prompt(req.input_tokens, req.request_id),
-        "max_tokens": req.output_tokens,
-        "ignore_eos": True,
-        "stream": False,
-    }
-    if req.session:
-        body["user"] = req.session
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        data = await resp.json()
-        if resp.status != 200:
-            raise RuntimeError(f"request {req.request_id}: HTTP {resp.status}: {data}")
-        usage = data["usage"]
-        if usage["prompt_tokens"] != req.input_tokens or usage["completion_tokens"] != req.output_tokens:
-            raise RuntimeError(f"request {req.request_id}: usage {usage} differs from the workload")
-        return int(usage["prompt_tokens"] + usage["completion_tokens"]), resp.headers.get(
-            "x-hetroute-backend", ""
-        )
-
-
-async def run_gateway(
-    fleet: Fleet,
-    workload: Sequence[SimRequest],
-    policy: str,
-    params: Mapping[str, object],
-    *,
-    speedup: float,
-    seed: int = 0,
-    timeout_s: float = 120.0,
-) -> Measured:
-    """Replay ``workload`` through the real gateway in front of emulators; throughput in virtual time."""
-    model = fleet.default_model
-    async with AsyncExitStack() as stack:
-        urls = []
-        for k, (config, flavour) in enumerate(zip(fleet.configs, fleet.flavours, strict=True)):
-            app = build_emulator_app(
-                EngineModel(config),
-                served_model=model,
-                engine_kind=flavour,
-                speedup=speedup,
-                seed=seed + k,
-                max_concurrent_requests=1_000_000,
-            )
-            urls.append(await stack.enter_async_context(run_emulator(app)))
-        cfg = config_from_dict(
-            gateway_config(fleet, urls, policy, params, seed, GATEWAY_SCRAPE_INTERVAL_S / speedup), env={}
-        )
-        runner, port = await start_app(build_app(cfg, seed=seed))
-        stack.push_async_callback(runner.cleanup)
-        gateway = f"http://127.0.0.1:{port}"
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
-        connector = aiohttp.TCPConnector(limit=0)
-        session = await stack.enter_async_context(aiohttp.ClientSession(timeout=timeout, connector=connector))
-        async with session.get(f"{gateway}/health") as warm:  # open the client connection before t0
-            await warm.read()
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-
-        async def one(req: SimRequest) -> tuple[int, str, float]:
-            delay = t0 + req.arrival_s / speedup - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tokens, backend = await _send(session, gateway, model, req)
-            return tokens, backend, loop.time()
-
-        lags: list[float] = []
-
-        async def watch_lag() -> None:
-            while True:
-                before = loop.time()
-                await asyncio.sleep(LAG_PROBE_S)
-                lags.append(loop.time() - before - LAG_PROBE_S)
-
-        watcher = asyncio.create_task(watch_lag())
-        try:
-            results = await asyncio.gather(*(one(r) for r in workload))
-        finally:
-            watcher.cancel()
-            with suppress(asyncio.CancelledError):
-                await watcher
-    end = max(t for _, _, t in results)
-    per_backend: dict[str, int] = {}
-    for _, backend, _ in results:
-        per_backend[backend] = per_backend.get(backend, 0) + 1
-    lag_p99 = sorted(lags)[int(0.99 * (len(lags) - 1))] if lags else 0.0
-    return Measured((end - t0) * speedup, sum(t for t, _, _ in results), per_backend, lag_p99)
-
-
-def run_simulator(
-    fleet: Fleet, workload: Sequence[SimRequest], policy: str, params: Mapping[str, object], seed: int = 0
-) -> Measured:
-    res = run_simulation(
-        fleet, workload, policy, params, seed=seed, scrape_interval_s=GATEWAY_SCRAPE_INTERVAL_S
-    )
-    per_backend = {i.name: i.requests for i in res.instances}
-    return Measured(res.makespan_s, res.input_tokens + res.output_tokens, per_backend)
+from hetroute.sim.workload import generate_workload, parse_rate
+from hetroute.simulation.crosscheck import run_gateway, run_simulator
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,42 +1,27 @@
 """The simulator predicts the gateway: same workload, real gateway + emulators vs ``run_simulation``.
 
-The harness is ``benchmarks/crosscheck.py`` (the benchmark runs larger cases). Here 150 ShareGPT-like
-requests at 24 req/s on ``paper-a`` (the load at which RR overloads the TP1 instance) go through the
-real gateway in front of two in-process emulators running 2.5× faster than real time (6-8 s wall per
-policy, about 0.9 s of CPU, so the run keeps pace even when other jobs share the cores), and the
-throughput, (input + output tokens) / makespan in virtual seconds, must agree with the simulator's
-within 5 %. Measured on the 2-core dev machine: within 0.1-2 %."""
+The harness is :mod:`hetroute.simulation.crosscheck` (``benchmarks/crosscheck.py`` runs larger cases).
+Here 150 ShareGPT-like requests at 24 req/s on ``paper-a`` (the load at which RR overloads the TP1
+instance) go through the real gateway in front of two in-process emulators running 2.5× faster than real
+time (6-8 s wall per policy, about 0.9 s of CPU, so the run keeps pace even when other jobs share the
+cores), and the throughput, (input + output tokens) / makespan in virtual seconds, must agree with the
+simulator's within 5 %. Measured on the 2-core dev machine: within 0.1-2 %."""
 
 from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from hetroute.sim.cluster_file import build_fleet
 from hetroute.sim.scenarios import get_scenario
 from hetroute.sim.workload import generate_workload
+from hetroute.simulation import crosscheck
 from hetroute.simulation.simulator import run_simulation
-
-HARNESS = Path(__file__).resolve().parents[2] / "benchmarks" / "crosscheck.py"
-
-
-def _harness() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("hetroute_crosscheck", HARNESS)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("policy", ["round_robin", "weighted_round_robin"])
 async def test_gateway_and_simulator_agree_on_throughput(policy: str) -> None:
-    cc = _harness()
+    cc = crosscheck
     fleet = build_fleet(get_scenario("paper-a").cluster())
     work = generate_workload(
         "sharegpt", 150, 24.0, seed=0, max_model_len=fleet.max_model_len(), send_max_tokens=True
@@ -62,7 +47,7 @@ async def test_gateway_and_simulator_agree_on_a_shared_prefix_workload() -> None
     engines cache the segments' blocks, so decisions and throughput agree as without sharing."""
     from hetroute.sim.prefix_workloads import generate_prefix_workload
 
-    cc = _harness()
+    cc = crosscheck
     fleet = build_fleet(get_scenario("paper-a").cluster())
     work = generate_prefix_workload("system-prompts", 150, 12.0, 0, fleet.max_model_len())
     sim = cc.run_simulator(fleet, work, "round_robin", {})
