@@ -1,8 +1,9 @@
 """The profiling sweep: batches of concurrent requests of controlled shape, timed (method.md §3).
 
-Owns: the sweep plan (which batch shapes, in which order), running each batch and turning it into a
-prefill and a decode sample, dropping batches the engine queued or interference disturbed, the time
-budget and the progress report. (The calibration probes and prompts are :mod:`profiling.calibrate`.)
+Owns: the sweep plan (which batch shapes, in which order), running each batch, dropping and
+re-measuring batches the engine queued or interference disturbed, the time budget and the progress
+report. (The calibration probes and prompts are :mod:`profiling.calibrate`; a batch's record, its
+prefill and decode sample and the interference filters are :mod:`profiling.batches`.)
 
 A batch is ``b`` requests of ~I input tokens and O output tokens sent together; the next batch starts
 only when every request of this one has ended, so the engine holds exactly this batch. Its prefill
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from hetroute.types import Clock
+from profiling.batches import BatchRecord, BatchShape, disturbed, undecided
 from profiling.calibrate import Calibration, PromptMaker
-from profiling.client import OutputControl, RequestFailed, RequestRecord, request_body, stream_request
+from profiling.client import OutputControl, RequestFailed, request_body, stream_request
 from profiling.discover import EngineInfo
-from profiling.fit import BatchSample, DecodeSample, PrefillSample
 
 KV_HEADROOM = 0.9  # use at most this share of the KV capacity, so a batch never preempts
 
@@ -69,44 +69,6 @@ class SweepConfig:
         for name in ("budget_s", "timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True, slots=True)
-class BatchShape:
-    batch: int
-    input_tokens: int
-    output_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class BatchRecord:
-    shape: BatchShape
-    requests: tuple[RequestRecord, ...]
-
-    @property
-    def queued(self) -> bool:
-        """True when some request ended before another got its first token: the engine did not run
-        the batch as one (more requests than its max sequences, or preemption), so it is unusable."""
-        return min(r.end_s for r in self.requests) < max(r.first_token_s for r in self.requests)
-
-    @property
-    def ran_together(self) -> int:
-        """How many requests had their first token before the first one ended (the engine's concurrency)."""
-        first_end = min(r.end_s for r in self.requests)
-        return sum(1 for r in self.requests if r.first_token_s <= first_end)
-
-    def to_sample(self) -> BatchSample:
-        """Prefill = last first token; decode = last end − last first token over (max O − 1) steps."""
-        first = max(r.first_token_s for r in self.requests)
-        end = max(r.end_s for r in self.requests)
-        prompts = [r.prompt_tokens for r in self.requests if r.prompt_tokens is not None]
-        inp = max(prompts) if prompts else self.shape.input_tokens
-        outs = [r.completion_tokens if r.completion_tokens is not None else r.chunks for r in self.requests]
-        steps = max(outs) - 1
-        b = len(self.requests)
-        decode = DecodeSample(b, inp, steps, end - first) if steps >= 1 and end > first else None
-        shape = (self.shape.batch, self.shape.input_tokens, self.shape.output_tokens)
-        return BatchSample(prefill=PrefillSample(b, inp, first), decode=decode, shape=shape)
 
 
 @dataclass
@@ -238,67 +200,6 @@ async def _run_batch(
     return BatchRecord(shape=shape, requests=tuple(t.result() for t in tasks))
 
 
-def _by_shape(batches: Sequence[BatchRecord]) -> dict[BatchShape, list[int]]:
-    by_shape: dict[BatchShape, list[int]] = {}
-    for idx, batch in enumerate(batches):
-        by_shape.setdefault(batch.shape, []).append(idx)
-    return by_shape
-
-
-def undecided(batches: Sequence[BatchRecord], tolerance: float) -> list[BatchShape]:
-    """Shapes measured exactly twice whose two batches disagree by more than ``tolerance``: one more
-    batch lets :func:`disturbed` tell which one is off."""
-    out = []
-    for shape, (i, j) in ((k, v) for k, v in _by_shape(batches).items() if len(v) == 2):
-        a, b = batches[i].to_sample(), batches[j].to_sample()
-        da = a.decode.time_s if a.decode else 0.0
-        db = b.decode.time_s if b.decode else 0.0
-        pre_off = abs(a.prefill.time_s - b.prefill.time_s) > tolerance * min(
-            a.prefill.time_s, b.prefill.time_s
-        )
-        if pre_off or abs(da - db) > tolerance * min(da, db):
-            out.append(shape)
-    return out
-
-
-def _step_s(sample: BatchSample) -> float:
-    return sample.decode.time_s / sample.decode.steps if sample.decode is not None else 0.0
-
-
-def burst_read(batches: Sequence[BatchRecord], floor: float = 0.25) -> list[int]:
-    """Indices of batches whose decode time per step is under ``floor`` × the median per-step time of all
-    batches of the same width (needs ≥ 3 of them): their streams were read in one burst after a stall
-    of the reader (the host's scheduler), so their decode time means nothing."""
-    by_width: dict[int, list[int]] = {}
-    for idx, batch in enumerate(batches):
-        by_width.setdefault(batch.shape.batch, []).append(idx)
-    out: list[int] = []
-    for members in by_width.values():
-        if len(members) >= 3:
-            per_step = [_step_s(batches[i].to_sample()) for i in members]
-            median = statistics.median(per_step)
-            out += [i for i, v in zip(members, per_step, strict=True) if v < floor * median]
-    return out
-
-
-def disturbed(batches: Sequence[BatchRecord], tolerance: float) -> list[int]:
-    """Indices of batches whose prefill or decode time is off the median of their shape's batches by more
-    than ``tolerance`` (a fraction; needs at least 3 batches of a shape to tell which one is off), or
-    that were read in a burst (:func:`burst_read`)."""
-    out: list[int] = list(burst_read(batches))
-    for members in _by_shape(batches).values():
-        if len(members) < 3:
-            continue
-        samples = [batches[i].to_sample() for i in members]
-        pre = statistics.median(s.prefill.time_s for s in samples)
-        dec = statistics.median(s.decode.time_s if s.decode else 0.0 for s in samples)
-        for idx, s in zip(members, samples, strict=True):
-            d = s.decode.time_s if s.decode else 0.0
-            if abs(s.prefill.time_s - pre) > tolerance * pre or abs(d - dec) > tolerance * dec:
-                out.append(idx)
-    return sorted(set(out))
-
-
 async def run_sweep(
     session: aiohttp.ClientSession,
     base: str,
@@ -311,99 +212,160 @@ async def run_sweep(
 ) -> SweepResult:
     """Run ``plan`` batch by batch within the budget; failed or cut-off batches are dropped.
 
-    When the plan is done, batches disturbed by interference (:func:`disturbed`) are dropped and their
-    shapes measured again, in at most 2 rounds and at most half the plan's batches more (within
-    the budget and the request bound); batches still disturbed after that are dropped.
+    When the plan is done, batches disturbed by interference (:func:`profiling.batches.disturbed`) are
+    dropped and their shapes measured again, in at most 2 rounds and at most half the plan's batches more
+    (within the budget and the request bound); batches still disturbed after that are dropped.
     """
-    result = SweepResult(planned=len(plan))
-    prompts = PromptMaker(cfg.run_id, calibration)
-    start = clock.now()
-    deadline = start + cfg.budget_s
-    last_duration: dict[BatchShape, float] = {}
-    consecutive_failures = 0
-    request_limit = cfg.max_requests
-    queue = QueueWatch()
-    if plan:  # one discarded batch of the widest shape warms the engine's kernels and allocator
-        warm = BatchShape(max(s.batch for s in plan), min(s.input_tokens for s in plan), 8)
-        result.requests_sent += warm.batch
-        try:
-            ctl = calibration.control
-            warmed = await _run_batch(session, base, info, warm, prompts, ctl, clock, cfg.timeout_s)
-            if not warmed.queued:
-                queue.ran_whole(warmed)
-        except BatchFailed as exc:
-            result.notes.append(f"warm-up batch failed: {exc}")
-    todo = deque(plan)
-    extra_left = len(plan) // 2
-    rounds_left = 2
-    total = len(plan)
-    done = 0
-    while todo:
-        shape = todo.popleft()
-        done += 1
-        if queue.blocks(shape.batch) or result.requests_sent + shape.batch > request_limit:
-            continue
-        now = clock.now()
-        if now + last_duration.get(shape, 0.0) > deadline:
-            result.stop_reason = "budget"
-            if now >= deadline:
+    sweep = _Sweep(session, base, info, plan, cfg, calibration, clock, on_progress)
+    return await sweep.run()
+
+
+class _Sweep:
+    """The state of one :func:`run_sweep`: the shapes still to measure, the re-measure allowance
+    (``extra_left`` batches over ``rounds_left`` rounds), failures in a row and the result so far."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base: str,
+        info: EngineInfo,
+        plan: Sequence[BatchShape],
+        cfg: SweepConfig,
+        calibration: Calibration,
+        clock: Clock,
+        on_progress: Callable[[Progress], None] | None,
+    ) -> None:
+        self.session, self.base, self.info, self.plan, self.cfg = session, base, info, plan, cfg
+        self.control = calibration.control
+        self.clock = clock
+        self.on_progress = on_progress
+        self.result = SweepResult(planned=len(plan))
+        self.prompts = PromptMaker(cfg.run_id, calibration)
+        self.start_s = clock.now()
+        self.deadline_s = self.start_s + cfg.budget_s
+        self.last_duration_s: dict[BatchShape, float] = {}
+        self.consecutive_failures = 0
+        self.queue = QueueWatch()
+        self.todo = deque(plan)
+        self.extra_left = len(plan) // 2
+        self.rounds_left = 2
+        self.total = len(plan)
+        self.done = 0
+
+    async def run(self) -> SweepResult:
+        """Warm up, measure every shape of the plan (and the re-measures), then drop what is disturbed."""
+        await self._warm_up()
+        result = self.result
+        while self.todo:
+            shape = self.todo.popleft()
+            self.done += 1
+            if self.queue.blocks(shape.batch) or result.requests_sent + shape.batch > self.cfg.max_requests:
+                continue
+            now = self.clock.now()
+            if now + self.last_duration_s.get(shape, 0.0) > self.deadline_s:
+                result.stop_reason = "budget"
+                if now >= self.deadline_s:
+                    break
+                continue
+            if not await self._measure(shape, now):
                 break
-            continue
+            if self.consecutive_failures >= 3:
+                result.stop_reason = "backend failing (3 batches in a row)"
+                break
+            if not self.todo and self.rounds_left > 0 and self.extra_left > 0:
+                self._plan_remeasure()
+            self._report(shape)
+        self._drop_still_disturbed()
+        result.elapsed_s = self.clock.now() - self.start_s
+        return result
+
+    async def _warm_up(self) -> None:
+        """One discarded batch of the widest shape warms the engine's kernels and allocator."""
+        if not self.plan:
+            return
+        warm = BatchShape(max(s.batch for s in self.plan), min(s.input_tokens for s in self.plan), 8)
+        self.result.requests_sent += warm.batch
+        try:
+            warmed = await self._send(warm, self.cfg.timeout_s)
+            if not warmed.queued:
+                self.queue.ran_whole(warmed)
+        except BatchFailed as exc:
+            self.result.notes.append(f"warm-up batch failed: {exc}")
+
+    async def _send(self, shape: BatchShape, limit_s: float) -> BatchRecord:
+        """Run one batch of ``shape`` within ``limit_s`` (:func:`_run_batch`)."""
+        return await _run_batch(
+            self.session, self.base, self.info, shape, self.prompts, self.control, self.clock, limit_s
+        )
+
+    async def _measure(self, shape: BatchShape, now: float) -> bool:
+        """Send one batch of ``shape`` (started at ``now``); False when the budget ran out meanwhile."""
+        result = self.result
         result.requests_sent += shape.batch
         try:
-            limit_s = min(cfg.timeout_s, deadline - now)
-            record = await _run_batch(
-                session, base, info, shape, prompts, calibration.control, clock, limit_s
-            )
+            record = await self._send(shape, min(self.cfg.timeout_s, self.deadline_s - now))
         except TimeoutError:
             result.failed_batches += 1
-            if clock.now() >= deadline - 1e-3:
+            if self.clock.now() >= self.deadline_s - 1e-3:
                 result.stop_reason = "budget"
-                break
-            result.notes.append(f"batch {shape} timed out after {cfg.timeout_s} s")
-            consecutive_failures += 1
+                return False
+            result.notes.append(f"batch {shape} timed out after {self.cfg.timeout_s} s")
+            self.consecutive_failures += 1
         except BatchFailed as exc:
             result.failed_batches += 1
-            consecutive_failures += 1
+            self.consecutive_failures += 1
             result.notes.append(f"batch {shape} failed: {exc}")
         else:
-            consecutive_failures = 0
-            last_duration[shape] = clock.now() - now
-            if record.queued:
-                result.notes.append(queue.observe(record))
-                result.queued_at_batch = queue.limit_batch
-                if not queue.blocks(shape.batch) and extra_left > 0:  # a hiccup: measure the shape again
-                    todo.append(shape)
-                    extra_left -= 1
-                    total += 1
-            else:
-                queue.ran_whole(record)
-                result.batches.append(record)
-        if consecutive_failures >= 3:
-            result.stop_reason = "backend failing (3 batches in a row)"
-            break
-        if not todo and rounds_left > 0 and extra_left > 0:
-            rounds_left -= 1
-            bad = disturbed(result.batches, cfg.disturbed_tolerance)[:extra_left]
-            todo.extend(result.batches[i].shape for i in bad)
-            result.batches = [b for i, b in enumerate(result.batches) if i not in set(bad)]
-            result.remeasured += len(bad)
-            extra_left -= len(bad)
-            unsure = undecided(result.batches, cfg.disturbed_tolerance)[:extra_left]
-            todo.extend(unsure)
-            extra_left -= len(unsure)
-            total += len(bad) + len(unsure)
-        elapsed = clock.now() - start
-        if on_progress is not None:
-            eta = min(elapsed / done * (total - done), max(0.0, deadline - clock.now()))
-            on_progress(Progress(done, total, elapsed, eta, shape))
-    still = set(disturbed(result.batches, cfg.disturbed_tolerance))
-    result.batches = [b for i, b in enumerate(result.batches) if i not in still]
-    result.dropped_disturbed = len(still)
-    if result.remeasured or still:
-        result.notes.append(
-            f"{result.remeasured} batches disturbed by interference (> {cfg.disturbed_tolerance:.0%} off "
-            f"their shape's median) were measured again; {len(still)} still disturbed were dropped"
-        )
-    result.elapsed_s = clock.now() - start
-    return result
+            self.consecutive_failures = 0
+            self.last_duration_s[shape] = self.clock.now() - now
+            self._keep(record)
+        return True
+
+    def _keep(self, record: BatchRecord) -> None:
+        """Keep a batch that ran whole; a queued one is dropped (and measured again if a hiccup)."""
+        result, shape = self.result, record.shape
+        if not record.queued:
+            self.queue.ran_whole(record)
+            result.batches.append(record)
+            return
+        result.notes.append(self.queue.observe(record))
+        result.queued_at_batch = self.queue.limit_batch
+        if not self.queue.blocks(shape.batch) and self.extra_left > 0:  # a hiccup: measure the shape again
+            self.todo.append(shape)
+            self.extra_left -= 1
+            self.total += 1
+
+    def _plan_remeasure(self) -> None:
+        """One re-measure round: drop disturbed batches and queue their shapes, then undecided shapes."""
+        result, tolerance = self.result, self.cfg.disturbed_tolerance
+        self.rounds_left -= 1
+        bad = disturbed(result.batches, tolerance)[: self.extra_left]
+        self.todo.extend(result.batches[i].shape for i in bad)
+        result.batches = [b for i, b in enumerate(result.batches) if i not in set(bad)]
+        result.remeasured += len(bad)
+        self.extra_left -= len(bad)
+        unsure = undecided(result.batches, tolerance)[: self.extra_left]
+        self.todo.extend(unsure)
+        self.extra_left -= len(unsure)
+        self.total += len(bad) + len(unsure)
+
+    def _report(self, shape: BatchShape) -> None:
+        """Report progress after ``shape`` (the ETA is capped by the time left in the budget)."""
+        elapsed = self.clock.now() - self.start_s
+        if self.on_progress is not None:
+            eta = min(
+                elapsed / self.done * (self.total - self.done), max(0.0, self.deadline_s - self.clock.now())
+            )
+            self.on_progress(Progress(self.done, self.total, elapsed, eta, shape))
+
+    def _drop_still_disturbed(self) -> None:
+        """Drop the batches still disturbed after the re-measure rounds, and say so in the notes."""
+        result, tolerance = self.result, self.cfg.disturbed_tolerance
+        still = set(disturbed(result.batches, tolerance))
+        result.batches = [b for i, b in enumerate(result.batches) if i not in still]
+        result.dropped_disturbed = len(still)
+        if result.remeasured or still:
+            result.notes.append(
+                f"{result.remeasured} batches disturbed by interference (> {tolerance:.0%} off "
+                f"their shape's median) were measured again; {len(still)} still disturbed were dropped"
+            )

@@ -23,7 +23,9 @@ from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog, lookup_
 from hetroute.clock import ManualClock
 from hetroute.config import config_from_dict
 from hetroute.routing.ledger import Ledger
-from hetroute.sim.emulator import Emulator, FaultConfig, build_emulator_app, emulator_of, run_emulator
+from hetroute.sim.emulator import build_emulator_app, emulator_of, run_emulator
+from hetroute.sim.emulator_core import Emulator
+from hetroute.sim.emulator_faults import FaultConfig
 from hetroute.sim.emulator_protocol import EngineKind
 from hetroute.sim.engine_model import EngineConfig, EngineModel
 

@@ -23,7 +23,8 @@ from hetroute.catalog.specs import (
 )
 from hetroute.clock import MonotonicClock
 from hetroute.errors import ConfigError
-from hetroute.sim.emulator import FaultConfig, build_emulator_app, run_emulator
+from hetroute.sim.emulator import build_emulator_app, run_emulator
+from hetroute.sim.emulator_faults import FaultConfig
 from hetroute.sim.engine_model import EngineConfig, EngineModel
 
 EXAMPLE = """examples:

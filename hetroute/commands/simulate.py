@@ -28,7 +28,10 @@ from typing import TYPE_CHECKING, Any
 from hetroute.errors import ConfigError
 
 if TYPE_CHECKING:
+    from hetroute.sim.cluster_file import ClusterSpec, Fleet
+    from hetroute.sim.workload import Rate
     from hetroute.simulation.admission_run import SimAdmission
+    from hetroute.simulation.report import MatrixRun
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,21 +243,7 @@ def _admission(source: str | None) -> SimAdmission | None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hetroute.learning.settings import LearningConfig
-    from hetroute.policies import resolve_policy_name
-    from hetroute.sim.cluster_file import blind_fleet, build_fleet, load_cluster_file
-    from hetroute.sim.named_workloads import build_named_workload, workload_source
-    from hetroute.sim.scenarios import get_scenario
-    from hetroute.sim.workload import parse_rate, rate_label
-    from hetroute.simulation.report import (
-        MatrixRun,
-        build_document,
-        format_table,
-        workload_summary,
-        write_json,
-        write_plot,
-    )
-    from hetroute.simulation.simulator import GATEWAY_SCRAPE_INTERVAL_S, run_simulation
+    from hetroute.simulation.simulator import GATEWAY_SCRAPE_INTERVAL_S
 
     if args.list_scenarios:
         return _list_scenarios()
@@ -264,20 +253,8 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.requests < 1:
         raise ConfigError("--requests", f"must be >= 1, got {args.requests}")
-    cluster = get_scenario(args.scenario).cluster() if args.scenario else load_cluster_file(args.cluster)
-    fleet = build_fleet(cluster)
-    if args.blind:
-        fleet = blind_fleet(fleet)
-    is_trace = workload_source(args.workload, args.trace) in ("trace", "mooncake")
-    rates = [
-        parse_rate(r)
-        for r in (args.rates or ("trace" if is_trace else "8,16,24,inf")).split(",")
-        if r.strip()
-    ]
-    if not rates:
-        raise ConfigError("--rates", "no rate given")
-    if not is_trace and "trace" in rates:
-        raise ConfigError("--rates", "'trace' needs a trace file as --workload or --workload mooncake")
+    cluster, fleet = _cluster_and_fleet(args)
+    rates = _rates(args)
     specs = parse_policy_list(args.policies) + [parse_policy_spec(s) for s in args.policy]
     if not specs:
         raise ConfigError("--policies", "no policy given")
@@ -288,6 +265,60 @@ def _run(args: argparse.Namespace) -> int:
     admission = _admission(args.admission)
 
     started = time.perf_counter()
+    runs, summary = _run_matrix(args, fleet, rates, specs, pred, max_len, scrape_s, admission)
+    elapsed = time.perf_counter() - started
+    _report(args, cluster, fleet, rates, runs, summary, pred, max_len, scrape_s, elapsed)
+    return 0
+
+
+def _cluster_and_fleet(args: argparse.Namespace) -> tuple[ClusterSpec, Fleet]:
+    """The cluster named by ``--scenario``/``--cluster`` and its fleet (made blind with ``--blind``)."""
+    from hetroute.sim.cluster_file import blind_fleet, build_fleet, load_cluster_file
+    from hetroute.sim.scenarios import get_scenario
+
+    cluster = get_scenario(args.scenario).cluster() if args.scenario else load_cluster_file(args.cluster)
+    fleet = build_fleet(cluster)
+    if args.blind:
+        fleet = blind_fleet(fleet)
+    return cluster, fleet
+
+
+def _rates(args: argparse.Namespace) -> list[Rate]:
+    """``--rates`` parsed (default: ``trace`` for a trace workload, else 8,16,24,inf); ConfigError if bad."""
+    from hetroute.sim.named_workloads import workload_source
+    from hetroute.sim.workload import parse_rate
+
+    is_trace = workload_source(args.workload, args.trace) in ("trace", "mooncake")
+    rates = [
+        parse_rate(r)
+        for r in (args.rates or ("trace" if is_trace else "8,16,24,inf")).split(",")
+        if r.strip()
+    ]
+    if not rates:
+        raise ConfigError("--rates", "no rate given")
+    if not is_trace and "trace" in rates:
+        raise ConfigError("--rates", "'trace' needs a trace file as --workload or --workload mooncake")
+    return rates
+
+
+def _run_matrix(
+    args: argparse.Namespace,
+    fleet: Fleet,
+    rates: Sequence[Rate],
+    specs: Sequence[PolicySpec],
+    pred: PolicySpec,
+    max_len: int,
+    scrape_s: float,
+    admission: SimAdmission | None,
+) -> tuple[list[MatrixRun], dict[str, Any]]:
+    """Run every policy in ``specs`` at every rate; returns the runs and the last workload's summary."""
+    from hetroute.learning.settings import LearningConfig
+    from hetroute.policies import resolve_policy_name
+    from hetroute.sim.named_workloads import build_named_workload
+    from hetroute.sim.workload import rate_label
+    from hetroute.simulation.report import MatrixRun, workload_summary
+    from hetroute.simulation.simulator import run_simulation
+
     runs: list[MatrixRun] = []
     summary: dict[str, Any] = {}
     for rate in rates:
@@ -317,7 +348,25 @@ def _run(args: argparse.Namespace) -> int:
                 admission=admission,
             )
             runs.append(MatrixRun(rate_label(rate), resolve_policy_name(spec.name), spec.params, result))
-    elapsed = time.perf_counter() - started
+    return runs, summary
+
+
+def _report(
+    args: argparse.Namespace,
+    cluster: ClusterSpec,
+    fleet: Fleet,
+    rates: Sequence[Rate],
+    runs: list[MatrixRun],
+    summary: dict[str, Any],
+    pred: PolicySpec,
+    max_len: int,
+    scrape_s: float,
+    elapsed_s: float,
+) -> None:
+    """Print the table and write ``--json``/``--plot`` when asked (``summary`` is extended in place)."""
+    from hetroute.sim.workload import rate_label
+    from hetroute.simulation.report import build_document, format_table, write_json, write_plot
+
     summary.update(
         {
             "seed": args.seed,
@@ -330,12 +379,11 @@ def _run(args: argparse.Namespace) -> int:
     print(f"cluster {cluster.name}: {', '.join(f'{b.name} ({b.gpu} TP{b.tp})' for b in fleet.backends)}")
     print(f"workload {args.workload}: {args.requests} requests, seed {args.seed}; predictor {pred.label}")
     print(format_table(runs))
-    print(f"{len(runs)} runs in {elapsed:.1f} s")
+    print(f"{len(runs)} runs in {elapsed_s:.1f} s")
     if args.json is not None:
         doc = build_document(
-            fleet, summary, runs, seed=args.seed, scrape_interval_s=scrape_s, elapsed_s=elapsed
+            fleet, summary, runs, seed=args.seed, scrape_interval_s=scrape_s, elapsed_s=elapsed_s
         )
         write_json(doc, args.json)
     if args.plot is not None:
         write_plot(runs, args.plot, title=f"{cluster.name} · {args.workload} · {args.requests} requests")
-    return 0

@@ -20,15 +20,18 @@ Owns the per-request proxy loop (house style §9):
   health, predictor, telemetry and access-log hooks run on every outcome.
 
 Non-streaming answers are read whole (they are one JSON object, needed for ``usage``).
+
+The pieces live beside it: the stream relay loop and its in-stream error ending (:mod:`.relay`), the
+headers sent each way (:mod:`.headers`), failures before the first byte and the answer when all attempts
+failed (:mod:`.failover`), and the usage of a non-streaming answer (:mod:`.usage`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import aiohttp
 from aiohttp import web
@@ -40,19 +43,18 @@ from hetroute.admission.queue import Shed
 from hetroute.backends.health import HealthTracker
 from hetroute.errors import NoBackendAvailable, UnknownModel
 from hetroute.prefix.hashing import ROUTER_CHUNK_CHARS, text_chunk_hashes
-from hetroute.proxy.api_errors import BACKEND_HEADER, REQUEST_ID_HEADER, ApiError, error_response
-from hetroute.proxy.hop_by_hop import strip_hop_by_hop
+from hetroute.proxy.api_errors import REQUEST_ID_HEADER, ApiError, error_response
+from hetroute.proxy.failover import AttemptFailure, exhausted_response
+from hetroute.proxy.headers import client_headers, upstream_headers
 from hetroute.proxy.protocols import ParsedRequest, TokenEstimator
-from hetroute.proxy.sse import OpenAIStreamTap, TgiStreamTap, openai_error_event, tgi_error_event
+from hetroute.proxy.relay import end_with_error, pump
+from hetroute.proxy.sse import OpenAIStreamTap, TgiStreamTap
+from hetroute.proxy.usage import usage_of
 from hetroute.proxy.watchdog import Watchdog, Watchdogs
 from hetroute.routing.ledger import Ticket
 from hetroute.routing.router import Router
 from hetroute.telemetry import Telemetry
 from hetroute.types import Clock, OutputLengthPredictor, RequestFeatures
-
-# The body sent upstream is the decoded one (hetroute.proxy.encodings): no Content-Encoding.
-_DROP_REQUEST = ("host", "content-length", "content-encoding", "accept-encoding", "expect", REQUEST_ID_HEADER)
-_DROP_RESPONSE = ("content-length", "date", "server", BACKEND_HEADER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,56 +67,6 @@ class ForwardSettings:
     """Whole-request deadline of a non-streaming request (its engine answers only at the end)."""
     retry_request_timeouts: bool = False
     """Retry a non-streaming request elsewhere after ``request_s`` (the engine's work is lost)."""
-
-
-class _Failure(Exception):
-    """An attempt failed before any byte reached the client (so another backend may be tried)."""
-
-    def __init__(
-        self, reason: str, *, status: int | None = None, body: bytes = b"", timeout: bool = False
-    ) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.status = status
-        self.body = body
-        self.timeout = timeout
-
-
-_DECODER = json.JSONDecoder()
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-
-
-def _usage_of(api: str, body: bytes) -> tuple[int | None, int | None]:
-    """(prompt_tokens, completion_tokens) of a non-streaming answer, None where absent.
-
-    Only the small ``usage`` (OpenAI) or ``details`` (TGI) object is decoded, not the whole answer.
-    """
-    key = b'"details"' if api == "tgi" else b'"usage"'
-    at = body.rfind(key)
-    if at < 0:
-        return None, None
-    start = body.find(b"{", at + len(key), at + len(key) + 8)
-    if start < 0:
-        return None, None
-    try:
-        obj, _ = _DECODER.raw_decode(body[start:].decode("utf-8", "replace"))
-    except ValueError:
-        return None, None
-    if not isinstance(obj, dict):
-        return None, None
-    if api == "tgi":
-        prefill = obj.get("prefill")
-        return (len(prefill) if isinstance(prefill, list) and prefill else None), _int(
-            obj.get("generated_tokens")
-        )
-    return _int(obj.get("prompt_tokens")), _int(obj.get("completion_tokens"))
-
-
-_OBSERVE_EVERY = 4
-"""Report generated tokens to the ledger every few events (exact at the end): it is numpy work."""
 
 
 class Forwarder:
@@ -167,7 +119,7 @@ class Forwarder:
         features = self._features(request, parsed, rid, model, input_est, predicted)
         rec.prompt_tokens = input_est
         tried: list[int] = []
-        failure: _Failure | None = None
+        failure: AttemptFailure | None = None
         try:
             while len(tried) < self.settings.max_attempts:
                 try:
@@ -190,14 +142,14 @@ class Forwarder:
                 rec.attempts = len(tried)
                 try:
                     return await self._attempt(request, parsed, ticket, rec, start)
-                except _Failure as f:
+                except AttemptFailure as f:
                     failure = f
                 finally:
                     self.router.release(ticket)
                     if self.admission is not None:
                         self.admission.wake()  # a completion frees capacity for waiting requests
             assert failure is not None
-            return self._exhausted(parsed, failure, rec)
+            return exhausted_response(parsed.api, failure, rec)
         except ApiError as err:
             rec.status, rec.error = err.status, err.message
             resp = error_response(parsed.api, err, backend=rec.backend or "none", request_id=rid)
@@ -257,36 +209,6 @@ class Forwarder:
         )
         self.access_log.write(rec)
 
-    def _exhausted(self, parsed: ParsedRequest, failure: _Failure, rec: AccessRecord) -> web.Response:
-        rec.error = failure.reason
-        if failure.status is not None:
-            rec.status = failure.status
-            headers = {BACKEND_HEADER: rec.backend or "none", REQUEST_ID_HEADER: rec.request_id}
-            return web.Response(
-                status=failure.status, body=failure.body, content_type="application/json", headers=headers
-            )
-        status = 504 if failure.timeout else 502
-        rec.status = status
-        # The reason's details (exception text with the backend's host:port) stay in the log.
-        cause = failure.reason.split(":")[0]
-        err = ApiError(status, f"no backend could answer ({cause}, {rec.attempts} attempt(s))")
-        return error_response(parsed.api, err, backend=rec.backend or "none", request_id=rec.request_id)
-
-    def _upstream_headers(self, request: web.Request, rid: str) -> CIMultiDict[str]:
-        headers = CIMultiDict(request.headers)  # a C-level copy, then drop the few bad ones
-        strip_hop_by_hop(headers, _DROP_REQUEST)
-        headers.setdefault("Content-Type", "application/json")  # the body is validated JSON
-        headers["Accept-Encoding"] = "identity"  # we parse the stream, so no compression upstream
-        headers[REQUEST_ID_HEADER] = rid
-        return headers
-
-    def _client_headers(self, resp: aiohttp.ClientResponse, backend: str, rid: str) -> CIMultiDict[str]:
-        headers = CIMultiDict(resp.headers)
-        strip_hop_by_hop(headers, _DROP_RESPONSE)
-        headers[BACKEND_HEADER] = backend
-        headers[REQUEST_ID_HEADER] = rid
-        return headers
-
     async def _open(self, url: str, body: bytes, headers: CIMultiDict[str]) -> aiohttp.ClientResponse:
         assert self.session is not None and self.fresh_session is not None, (
             "the app's sessions are not running"
@@ -320,14 +242,14 @@ class Forwarder:
                 resp = await self._open(
                     spec.url + parsed.upstream_path,
                     parsed.body,
-                    self._upstream_headers(request, rec.request_id),
+                    upstream_headers(request.headers, rec.request_id),
                 )
                 status = resp.status
                 if status >= 500 or status == 429:
                     body = await resp.read()
                     if status != 429:
                         self.health.record_failure(i, f"status {status}")
-                    raise _Failure(f"status {status}", status=status, body=body)
+                    raise AttemptFailure(f"status {status}", status=status, body=body)
                 if not parsed.stream or status != 200:
                     body = await resp.read()
                     return self._complete(parsed, ticket, rec, resp, body, start)
@@ -339,12 +261,12 @@ class Forwarder:
                     raise ApiError(503, watchdog.reason) from exc
                 if parsed.stream:
                     self.health.record_failure(i, "first-byte timeout")
-                    raise _Failure("first-byte timeout", timeout=True) from exc
+                    raise AttemptFailure("first-byte timeout", timeout=True) from exc
                 self._request_timeout(i, sent_at, rec)
             except (aiohttp.ClientError, OSError) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
                 self.health.record_failure(i, reason)
-                raise _Failure(reason) from exc
+                raise AttemptFailure(reason) from exc
             watchdog.rearm(self.settings.idle_s)
             return await self._stream(request, parsed, ticket, rec, resp, first, start, watchdog)
         finally:
@@ -358,7 +280,7 @@ class Forwarder:
         if not self.health.succeeded_since(i, sent_at):
             self.health.record_failure(i, reason)  # no sign of life from the backend meanwhile
         if self.settings.retry_request_timeouts:
-            raise _Failure(reason, timeout=True)
+            raise AttemptFailure(reason, timeout=True)
         rec.error = reason
         raise ApiError(504, f"the request did not complete within {self.settings.request_s:g} s")
 
@@ -397,8 +319,8 @@ class Forwarder:
         rec.ttft_s, rec.status = now - start, resp.status
         self.health.record_success(ticket.backend_index)
         if resp.status == 200:
-            self._learn(parsed, rec, ticket, *_usage_of(parsed.api, body), streamed=False)
-        headers = self._client_headers(resp, ticket.backend_name, rec.request_id)
+            self._learn(parsed, rec, ticket, *usage_of(parsed.api, body), streamed=False)
+        headers = client_headers(resp.headers, ticket.backend_name, rec.request_id)
         return web.Response(status=resp.status, body=body, headers=headers)
 
     async def _stream(
@@ -413,7 +335,7 @@ class Forwarder:
         watchdog: Watchdog,
     ) -> web.StreamResponse:
         out = web.StreamResponse(
-            status=resp.status, headers=self._client_headers(resp, ticket.backend_name, rec.request_id)
+            status=resp.status, headers=client_headers(resp.headers, ticket.backend_name, rec.request_id)
         )
         tap: OpenAIStreamTap | TgiStreamTap = (
             OpenAIStreamTap(strip_usage=parsed.strip_usage) if parsed.api == "openai" else TgiStreamTap()
@@ -436,7 +358,9 @@ class Forwarder:
                 raise
             rec.status, rec.error = 499, "client did not read the first chunk in time"
             return out
-        error, client_gone = await self._pump(out, resp, tap, ticket, watchdog)
+        error, client_gone = await pump(
+            out, resp, tap, ticket, watchdog, ledger.observe_generated, self.settings.idle_s
+        )
         if client_gone:
             rec.status, rec.error = 499, "client disconnected"
             return out
@@ -446,16 +370,9 @@ class Forwarder:
             rec.status, rec.error = 502, error
             if watchdog.reason is None:
                 self.health.record_failure(ticket.backend_index, error)
-                openai_event, tgi_type = openai_error_event(error), "upstream"
             else:  # ended by the gateway's shutdown, not by the backend
                 rec.status = 503
-                openai_event, tgi_type = openai_error_event(error, "service_unavailable", 503), "unhealthy"
-            event = openai_event if parsed.api == "openai" else tgi_error_event(error, tgi_type)
-            try:
-                await out.write(event)
-                await out.write_eof()
-            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-                pass
+            await end_with_error(out, parsed.api, error, shutdown=watchdog.reason is not None)
             return out
         self.health.record_success(ticket.backend_index)
         end_at = self.clock.now()
@@ -474,49 +391,3 @@ class Forwarder:
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             rec.status, rec.error = 499, "client disconnected"
         return out
-
-    async def _pump(
-        self,
-        out: web.StreamResponse,
-        resp: aiohttp.ClientResponse,
-        tap: OpenAIStreamTap | TgiStreamTap,
-        ticket: Ticket,
-        watchdog: Watchdog,
-    ) -> tuple[str | None, bool]:
-        """Relay until EOF: (upstream error or None, client gone)."""
-        loop = asyncio.get_running_loop()
-        observe = self.router.ledger.observe_generated
-        content = resp.content
-        write = out.write
-        feed = tap.feed
-        reported = 0
-        try:
-            while True:
-                try:
-                    chunk = await content.readany()
-                except (aiohttp.ClientError, OSError) as exc:
-                    return f"upstream failed mid-stream: {type(exc).__name__}", False
-                if not chunk:
-                    break
-                watchdog.last_s = loop.time()
-                data = feed(chunk)
-                if data:
-                    try:
-                        await write(data)
-                    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-                        return None, True
-                if tap.events - reported >= _OBSERVE_EVERY:
-                    reported = tap.events
-                    observe(ticket, reported)
-        except asyncio.CancelledError:
-            if watchdog.fired():
-                return watchdog.reason or f"upstream idle for more than {self.settings.idle_s:g} s", False
-            raise
-        observe(ticket, tap.events)
-        rest = tap.flush()
-        if rest:
-            try:
-                await write(rest)
-            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-                return None, True
-        return None, False

@@ -1,7 +1,7 @@
 """Delivering one emulated request's tokens to its client: SSE streams and non-stream bodies.
 
 Owns :class:`Live` (the per-request state the emulator's driver updates), :func:`respond` and
-:class:`StreamHost`, what ``respond`` needs of the emulator (``hetroute.sim.emulator.Emulator`` is one;
+:class:`StreamHost`, what ``respond`` needs of the emulator (``hetroute.sim.emulator_core.Emulator`` is one;
 this module does not import it). A handler
 waits on ``Live.changed`` (set by the driver for each token and at the end), polling the transport so a
 client that went away is noticed even without handler cancellation; the caller then aborts the request in

@@ -139,23 +139,9 @@ def run_simulation(
     engines' scraped metrics and the output-length predictor. ``foreign`` is how each router counts the
     requests the others sent (``hetroute.routing.foreign``).
     """
-    if not isinstance(replicas, int) or replicas < 1:
-        raise ConfigError("replicas", f"must be an integer >= 1, got {replicas!r}")
-    if replicas > 1 and (admission is not None or not isinstance(policy_name, str)):
-        raise ConfigError(
-            "replicas", "several replicas need a policy name (one fresh policy each) and no admission queue"
-        )
-    if scrape_interval_s < 0 or not math.isfinite(scrape_interval_s):
-        raise ConfigError("scrape_interval_s", f"must be a finite number >= 0, got {scrape_interval_s}")
+    _check_options(replicas, admission, policy_name, scrape_interval_s)
     fleet = cluster if isinstance(cluster, Fleet) else build_fleet(cluster)
-    served = set(fleet.models)
-    for req in workload:
-        if req.model and req.model not in served:
-            raise ConfigError(
-                "workload", f"request {req.request_id} asks for {req.model!r}, not served by the cluster"
-            )
-    if any(b.arrival_s < a.arrival_s for a, b in zip(workload, workload[1:], strict=False)):
-        raise ConfigError("workload", "requests must be sorted by arrival_s")
+    _check_workload(fleet, workload)
     clock = ManualClock(workload[0].arrival_s if workload else 0.0)
     models = BackendModels.from_specs(fleet.backends)
     for slow in slowdowns:
@@ -168,22 +154,10 @@ def run_simulation(
         """Router replica r: its own policy (seed + r), ledger, learner and prefix index."""
         if isinstance(policy_name, str):
             ctx = PolicyContext(fleet.backends, seed + r, models)
-            policy = build_policy(policy_name, dict(policy_params or {}), ctx)
+            policy: Policy = build_policy(policy_name, dict(policy_params or {}), ctx)
         else:
             policy = policy_name
-        enabled = learning is not None and learning.enabled
-        return Router(
-            fleet.backends,
-            policy,
-            Ledger([b.name for b in fleet.backends]),
-            clock,
-            latest_metrics=lambda i: holder[0].latest_metrics(i),
-            learner=build_live_models(models, learning) if learning is not None and enabled else None,
-            prefix=PrefixState(len(fleet.backends), prefix)
-            if prefix is not None and prefix.enabled
-            else None,
-            foreign=foreign,
-        )
+        return _build_router(fleet, policy, models, clock, holder, learning, prefix, foreign)
 
     router = replica(0)
     policy = router.policy
@@ -198,6 +172,58 @@ def run_simulation(
     events = run.run()
     wall_s = time.perf_counter() - started
     return _result(run, label or policy.name, pred.name, events, wall_s)
+
+
+def _check_options(
+    replicas: int, admission: SimAdmission | None, policy_name: str | Policy, scrape_interval_s: float
+) -> None:
+    """Raise :class:`ConfigError` on a bad replica count, replica setup or scrape interval."""
+    if not isinstance(replicas, int) or replicas < 1:
+        raise ConfigError("replicas", f"must be an integer >= 1, got {replicas!r}")
+    if replicas > 1 and (admission is not None or not isinstance(policy_name, str)):
+        raise ConfigError(
+            "replicas", "several replicas need a policy name (one fresh policy each) and no admission queue"
+        )
+    if scrape_interval_s < 0 or not math.isfinite(scrape_interval_s):
+        raise ConfigError("scrape_interval_s", f"must be a finite number >= 0, got {scrape_interval_s}")
+
+
+def _check_workload(fleet: Fleet, workload: Sequence[SimRequest]) -> None:
+    """Raise :class:`ConfigError` unless every request's model is served and arrivals are sorted."""
+    served = set(fleet.models)
+    for req in workload:
+        if req.model and req.model not in served:
+            raise ConfigError(
+                "workload", f"request {req.request_id} asks for {req.model!r}, not served by the cluster"
+            )
+    if any(b.arrival_s < a.arrival_s for a, b in zip(workload, workload[1:], strict=False)):
+        raise ConfigError("workload", "requests must be sorted by arrival_s")
+
+
+def _build_router(
+    fleet: Fleet,
+    policy: Policy,
+    models: BackendModels,
+    clock: ManualClock,
+    holder: list[Run],
+    learning: LearningConfig | None,
+    prefix: PrefixConfig | None,
+    foreign: ForeignMode,
+) -> Router:
+    """One router over ``fleet`` with its own ledger, learner and prefix index.
+
+    It reads metrics from the run in ``holder`` (filled once the run exists, before any event runs).
+    """
+    return Router(
+        fleet.backends,
+        policy,
+        Ledger([b.name for b in fleet.backends]),
+        clock,
+        latest_metrics=lambda i: holder[0].latest_metrics(i),
+        learner=build_live_models(models, learning) if learning is not None and learning.enabled else None,
+        prefix=PrefixState(len(fleet.backends), prefix) if prefix is not None and prefix.enabled else None,
+        foreign=foreign,
+    )
 
 
 def _result(run: Run, label: str, predictor: str, events: int, wall_s: float) -> SimResult:

@@ -109,20 +109,8 @@ def estimate_config(
     )
     if not feas.feasible or feas.kv_capacity_tokens is None:
         return base
-    if profile is None:
-        profile = prior(gpu, model, tp)
-        source, path = "roofline-prior", None
-    else:
-        source, path = profile.source, profile_path
-    cap, kv_source = feas.kv_capacity_tokens, "computed"
-    warnings: list[str] = []
-    if profile.source == "profiled" and profile_path is not None:
-        cap, kv_source = profile.kv_capacity_tokens, profile.kv_capacity_source
-        if abs(cap - feas.kv_capacity_tokens) > 0.05 * feas.kv_capacity_tokens:
-            warnings.append(
-                f"profiled KV capacity {cap} differs from the computed {feas.kv_capacity_tokens}: "
-                "re-profile if the engine's memory settings changed"
-            )
+    profile, source, path = _profile_or_prior(gpu, model, tp, profile, profile_path, prior)
+    cap, kv_source, warnings = _kv_capacity(profile, profile_path, feas.kv_capacity_tokens)
 
     def infeasible(reason: str) -> ConfigEstimate:
         return ConfigEstimate(
@@ -138,15 +126,9 @@ def estimate_config(
     if len(requests) < instances:
         return infeasible(f"fewer requests ({len(requests)}) than instances")
     run = simulate_machine(profile.params, requests, instances, cap, seqs, engine.batched_tokens())
-    note = _sweep_warning(profile, max(alg1.largest_batch, run.mean_batch))
-    if note:
-        warnings.append(note)
-    share = len(requests) // instances
-    if share < seqs:
-        warnings.append(
-            f"each instance serves only {share} requests (< max_num_seqs {seqs}): raise --requests to "
-            "estimate a saturated machine"
-        )
+    warnings += _load_warnings(
+        profile, max(alg1.largest_batch, run.mean_batch), len(requests), instances, seqs
+    )
     curve: tuple[tuple[float, float, float], ...] = ()
     rho_max = math.inf
     if inputs.slo is not None:
@@ -173,6 +155,53 @@ def estimate_config(
         slo_curve=curve,
         warnings=tuple(warnings),
     )
+
+
+def _profile_or_prior(
+    gpu: GpuSpec,
+    model: ModelSpec,
+    tp: int,
+    profile: LatencyProfile | None,
+    profile_path: str | None,
+    prior: PriorFn,
+) -> tuple[LatencyProfile, str, str | None]:
+    """The profile to use, its source label and path: ``profile`` as given, else the roofline prior."""
+    if profile is None:
+        return prior(gpu, model, tp), "roofline-prior", None
+    return profile, profile.source, profile_path
+
+
+def _kv_capacity(
+    profile: LatencyProfile, profile_path: str | None, computed_tokens: int
+) -> tuple[int, str, list[str]]:
+    """KV capacity in tokens, its source and warnings: a measured profile's figure wins over ``computed``."""
+    warnings: list[str] = []
+    if profile.source == "profiled" and profile_path is not None:
+        cap = profile.kv_capacity_tokens
+        if abs(cap - computed_tokens) > 0.05 * computed_tokens:
+            warnings.append(
+                f"profiled KV capacity {cap} differs from the computed {computed_tokens}: "
+                "re-profile if the engine's memory settings changed"
+            )
+        return cap, profile.kv_capacity_source, warnings
+    return computed_tokens, "computed", warnings
+
+
+def _load_warnings(
+    profile: LatencyProfile, largest_batch: float, num_requests: int, instances: int, max_num_seqs: int
+) -> list[str]:
+    """Warnings about the estimate's load: batches past the profiled sweep, unsaturated instances."""
+    warnings: list[str] = []
+    note = _sweep_warning(profile, largest_batch)
+    if note:
+        warnings.append(note)
+    share = num_requests // instances
+    if share < max_num_seqs:
+        warnings.append(
+            f"each instance serves only {share} requests (< max_num_seqs {max_num_seqs}): raise --requests "
+            "to estimate a saturated machine"
+        )
+    return warnings
 
 
 def slo_curve(

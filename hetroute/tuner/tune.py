@@ -99,6 +99,46 @@ def tune(
     if not requests:
         raise ValueError("tune needs at least one request")
     start = clock()
+    cache, total = _estimate_all(cluster, requests, prior, estimator, progress)
+    estimate_s = clock() - start
+    _check_each_model_fits(cluster, cache)
+    per_machine = [cache[(m.gpu.name, m.gpus, m.model_key)] for m in cluster.machines]
+    options = [
+        [Option(e.tp, e.instances, e.tokens_per_s(estimator), e.rho_max) for e in ests if e.feasible]
+        for ests in per_machine
+    ]
+    search = _choose(cluster, options, requests, clock)
+    plans = []
+    for machine, ests, opt in zip(cluster.machines, per_machine, search.choice, strict=True):
+        chosen = (
+            next((e for e in ests if e.tp == opt.tp and e.feasible), None) if opt.tp is not None else None
+        )
+        plans.append(MachinePlan(machine, ests, chosen))
+    return TuneResult(
+        cluster,
+        estimator,
+        workload,
+        len(requests),
+        tuple(plans),
+        search,
+        total,
+        estimate_s,
+        clock() - start,
+    )
+
+
+def _estimate_all(
+    cluster: ClusterSpec,
+    requests: Sequence[tuple[int, int]],
+    prior: PriorFn,
+    estimator: str,
+    progress: Progress | None,
+) -> tuple[dict[tuple[str, int, str], tuple[ConfigEstimate, ...]], int]:
+    """Estimate each distinct (GPU type, GPU count, model) once, over every candidate TP.
+
+    Returns the estimates by that key (best first under ``estimator``) and the number of (machine, TP)
+    estimates made.
+    """
     slo = cluster.constraints.slo
     inputs = {
         key: EstimateInputs(
@@ -133,38 +173,23 @@ def tune(
                 progress(done, total, f"{gpu_name}x{gpus} {model_key} TP{tp}")
         found.sort(key=lambda e: (-e.tokens_per_s(estimator), not e.feasible, e.tp))
         cache[(gpu_name, gpus, model_key)] = tuple(found)
-    estimate_s = clock() - start
-    _check_each_model_fits(cluster, cache)
-    per_machine = [cache[(m.gpu.name, m.gpus, m.model_key)] for m in cluster.machines]
-    options = [
-        [Option(e.tp, e.instances, e.tokens_per_s(estimator), e.rho_max) for e in ests if e.feasible]
-        for ests in per_machine
-    ]
+    return cache, total
+
+
+def _choose(
+    cluster: ClusterSpec,
+    options: list[list[Option]],
+    requests: Sequence[tuple[int, int]],
+    clock: Callable[[], float],
+) -> SearchResult:
+    """Each machine's best option, or the exact joint search when the cluster has active constraints."""
     prices = [m.price_per_hour for m in cluster.machines]
     cons = cluster.constraints
     if cons.active:
         demand = None
-        if slo is not None:
-            demand = slo.rate_rps * sum(i + o for i, o in requests) / len(requests)
-        search = joint_search(
+        if cons.slo is not None:
+            demand = cons.slo.rate_rps * sum(i + o for i, o in requests) / len(requests)
+        return joint_search(
             options, prices, JointConstraints(cons.min_instances, cons.max_cost_per_hour, demand), clock=clock
         )
-    else:
-        search = choose_separable(options, prices, clock=clock)
-    plans = []
-    for machine, ests, opt in zip(cluster.machines, per_machine, search.choice, strict=True):
-        chosen = (
-            next((e for e in ests if e.tp == opt.tp and e.feasible), None) if opt.tp is not None else None
-        )
-        plans.append(MachinePlan(machine, ests, chosen))
-    return TuneResult(
-        cluster,
-        estimator,
-        workload,
-        len(requests),
-        tuple(plans),
-        search,
-        total,
-        estimate_s,
-        clock() - start,
-    )
+    return choose_separable(options, prices, clock=clock)

@@ -20,7 +20,9 @@ from text_generation import AsyncClient
 from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog
 from hetroute.clock import ManualClock
 from hetroute.errors import ConfigError
-from hetroute.sim.emulator import Emulator, FaultConfig, build_emulator_app, emulator_of, run_emulator
+from hetroute.sim.emulator import build_emulator_app, emulator_of, run_emulator
+from hetroute.sim.emulator_core import Emulator
+from hetroute.sim.emulator_faults import FaultConfig
 from hetroute.sim.engine_model import EngineConfig, EngineModel
 
 GPUS = load_gpu_catalog()

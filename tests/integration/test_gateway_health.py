@@ -8,7 +8,7 @@ import json
 import aiohttp
 
 from hetroute.app import HEALTH
-from hetroute.sim.emulator import FaultConfig
+from hetroute.sim.emulator_faults import FaultConfig
 from tests.conftest import MODEL, EmulateFn, GatewayFn, eventually
 
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 2}

@@ -12,7 +12,7 @@ import aiohttp
 from hetroute.app import LEARNER
 from hetroute.backends.discovery import discover
 from hetroute.config import quick_config
-from hetroute.sim.emulator import FaultConfig
+from hetroute.sim.emulator_faults import FaultConfig
 from tests.conftest import MODEL, EmulateFn, Gateway, GatewayFn, backend_entry, eventually, metric_sum
 
 HOUSE = "house-llm"

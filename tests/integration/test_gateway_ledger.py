@@ -7,7 +7,7 @@ import random
 
 import aiohttp
 
-from hetroute.sim.emulator import FaultConfig
+from hetroute.sim.emulator_faults import FaultConfig
 from tests.conftest import MODEL, EmulateFn, GatewayFn, eventually, metric_sum
 
 

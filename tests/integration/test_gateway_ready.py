@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 
 from hetroute.app import HEALTH
-from hetroute.sim.emulator import FaultConfig
+from hetroute.sim.emulator_faults import FaultConfig
 from tests.conftest import MODEL, EmulateFn, GatewayFn, eventually
 
 FAST_PROBES = {"probe_interval_s": 0.05, "unhealthy_threshold": 1}

@@ -11,7 +11,7 @@ import time
 import aiohttp
 
 from hetroute.app import HEALTH
-from hetroute.sim.emulator import FaultConfig
+from hetroute.sim.emulator_faults import FaultConfig
 from tests.conftest import MODEL, EmulateFn, GatewayFn, metric_sum
 
 LONG = {"model": MODEL, "prompt": "hello", "max_tokens": 40}

@@ -12,20 +12,10 @@ import yaml
 from hetroute.errors import HetrouteError
 from hetroute.latency import LatencyParams, ProfileError, load_profile, profile_to_dict, save_profile
 from profiling.artifact import build_profile, judge, sweep_summary
+from profiling.batches import BatchRecord, BatchShape, burst_read, disturbed, undecided
 from profiling.calibrate import Calibration, PromptMaker
 from profiling.client import RequestRecord
-from profiling.collect import (
-    BatchRecord,
-    BatchShape,
-    QueueWatch,
-    SweepConfig,
-    SweepResult,
-    burst_read,
-    default_input_lens,
-    disturbed,
-    plan_sweep,
-    undecided,
-)
+from profiling.collect import QueueWatch, SweepConfig, SweepResult, default_input_lens, plan_sweep
 from profiling.discover import EngineInfo, parse_cache_config_info
 from profiling.fit import BatchSample, DecodeSample, FitResult, PrefillSample, fit_batches
 
