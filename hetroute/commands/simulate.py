@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hetroute.errors import ConfigError
+from hetroute.routing.foreign import DEFAULT_FOREIGN_MODE, FOREIGN_MODES
 
 if TYPE_CHECKING:
     from hetroute.sim.cluster_file import ClusterSpec, Fleet
@@ -165,6 +166,20 @@ def add_parser(subparsers: Any) -> None:
         "file whose `admission:` section configures it (a router config works; every request is in "
         "the default class and tenant)",
     )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="run K router replicas, each with its own ledger, policy, learner and prefix index, taking "
+        "arrivals in turn (request k to replica k mod K), as behind a round-robin Service (docs/replicas.md)",
+    )
+    p.add_argument(
+        "--foreign-load",
+        choices=FOREIGN_MODES,
+        default=DEFAULT_FOREIGN_MODE,
+        help="how each replica counts the requests the engines hold that it did not send "
+        f"(scrape.foreign_load; default {DEFAULT_FOREIGN_MODE})",
+    )
     p.add_argument("--json", type=Path, help="write the results as JSON")
     p.add_argument("--plot", type=Path, help="write a PNG plot of throughput and TTFT p99 against rate")
     p.set_defaults(func=run)
@@ -253,6 +268,8 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.requests < 1:
         raise ConfigError("--requests", f"must be >= 1, got {args.requests}")
+    if args.replicas < 1:
+        raise ConfigError("--replicas", f"must be >= 1, got {args.replicas}")
     cluster, fleet = _cluster_and_fleet(args)
     rates = _rates(args)
     specs = parse_policy_list(args.policies) + [parse_policy_spec(s) for s in args.policy]
@@ -346,6 +363,8 @@ def _run_matrix(
                 label=spec.label,
                 learning=LearningConfig() if args.learning == "on" else None,
                 admission=admission,
+                replicas=args.replicas,
+                foreign=args.foreign_load,
             )
             runs.append(MatrixRun(rate_label(rate), resolve_policy_name(spec.name), spec.params, result))
     return runs, summary
@@ -378,6 +397,8 @@ def _report(
     )
     print(f"cluster {cluster.name}: {', '.join(f'{b.name} ({b.gpu} TP{b.tp})' for b in fleet.backends)}")
     print(f"workload {args.workload}: {args.requests} requests, seed {args.seed}; predictor {pred.label}")
+    if args.replicas > 1:
+        print(f"{args.replicas} router replicas taking arrivals in turn; foreign load {args.foreign_load}")
     print(format_table(runs))
     print(f"{len(runs)} runs in {elapsed_s:.1f} s")
     if args.json is not None:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from hetroute.admission.config import AdmissionConfig
+from hetroute.commands import simulate as simulate_cmd
 from hetroute.errors import ConfigError
 from hetroute.learning.settings import LearningConfig
 from hetroute.sim.cluster_file import build_fleet
@@ -45,3 +50,28 @@ def test_replicas_are_validated() -> None:
         run_simulation(fleet, wl, "default", {}, replicas=0)
     with pytest.raises(ConfigError, match="replicas"):
         run_simulation(fleet, wl, "default", {}, replicas=2, admission=SimAdmission(AdmissionConfig()))
+
+
+def test_simulate_command_runs_replicas(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    simulate_cmd.add_parser(parser.add_subparsers())
+    out = tmp_path / "o.json"
+    argv = [
+        "simulate",
+        "--scenario",
+        "paper-b",
+        "--policies",
+        "default",
+        "--rates",
+        "24",
+        "--requests",
+        "300",
+    ]
+    args = parser.parse_args([*argv, "--replicas", "3", "--foreign-load", "raw", "--json", str(out)])
+    assert args.func(args) == 0
+    assert "3 router replicas taking arrivals in turn; foreign load raw" in capsys.readouterr().out
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["completed"] == 300
+    bad = parser.parse_args([*argv, "--replicas", "0"])
+    assert bad.func(bad) != 0
+    assert "--replicas: must be >= 1, got 0" in capsys.readouterr().err
