@@ -64,7 +64,17 @@ DISPATCH_EWMA = 0.1
 class ForeignLoad:
     """Per-backend foreign requests from the engines' scrapes (see module docstring)."""
 
-    __slots__ = ("mode", "_counts", "_own_at_scrape", "_waiting_share", "_seen", "_profile", "_any")
+    __slots__ = (
+        "mode",
+        "_counts",
+        "_own_at_scrape",
+        "_waiting_share",
+        "_seen",
+        "_profile",
+        "_any",
+        "_live_key",
+        "_live",
+    )
 
     def __init__(self, backends: int, mode: ForeignMode = DEFAULT_FOREIGN_MODE) -> None:
         self.mode = mode
@@ -72,8 +82,11 @@ class ForeignLoad:
         self._own_at_scrape: FloatArray = np.zeros(backends, dtype=np.float64)
         self._waiting_share: FloatArray = np.zeros(backends, dtype=np.float64)
         self._seen: list[EngineMetrics | None] = [None] * backends
-        self._profile: list[list[float] | None] = [None] * backends
+        self._profile: FloatArray = np.zeros((_ROWS, backends), dtype=np.float64)
+        """Rows as the ledger's; a column of zeros until the first dispatch to that backend."""
         self._any = False
+        self._live_key: tuple[EngineMetrics | None, ...] | None = None
+        self._live: tuple[FloatArray, FloatArray, float] = (self._counts, self._own_at_scrape, 0.0)
 
     def scraped(self, backend: int, metrics: EngineMetrics, own_in_flight: float) -> None:
         """Backend ``backend``'s scrape ``metrics`` was just published; the router had
@@ -88,29 +101,36 @@ class ForeignLoad:
             self._counts[backend] = max(total - own_in_flight, 0.0)
             self._waiting_share[backend] = (waiting or 0.0) / total if total > 0 else 0.0
         self._any = self.mode != "off" and bool(self._counts.any())
+        self._live_key = None
 
     def dispatched(
         self, backend: int, input_tokens: float, predicted_output_tokens: float, workload_s: float
     ) -> None:
         """Fold a dispatch into ``backend``'s request profile (used while nothing is in flight there)."""
-        new = (input_tokens, predicted_output_tokens, 0.0, predicted_output_tokens, workload_s, 0.0)
-        old = self._profile[backend]
-        if old is None:
-            self._profile[backend] = list(new)
-        else:
-            for k, v in enumerate(new):
-                old[k] += DISPATCH_EWMA * (v - old[k])
+        p = self._profile
+        rate = DISPATCH_EWMA if p[_INPUT, backend] > 0.0 else 1.0  # the first dispatch sets it
+        for row, value in (
+            (_INPUT, input_tokens),
+            (_REMAINING, predicted_output_tokens),
+            (_PREDICTED, predicted_output_tokens),
+            (_WORKLOAD, workload_s),
+        ):
+            old = float(p[row, backend])
+            p[row, backend] = old + rate * (value - old)
 
     def counts(self, metrics: tuple[EngineMetrics | None, ...], own_now: IntArray) -> FloatArray | None:
         """Foreign requests per backend under the latest ``metrics`` (None when there are none)."""
         if not self._any:
             return None
-        live = np.array([m is not None and m is s for m, s in zip(metrics, self._seen, strict=True)])
-        out: FloatArray = np.where(live, self._counts, 0.0)
+        if metrics != self._live_key:  # element identity first: cheap while the scrapes are unchanged
+            live = np.array([m is not None and m is s for m, s in zip(metrics, self._seen, strict=True)])
+            foreign = np.where(live, self._counts, 0.0)
+            own_then = np.where(live, self._own_at_scrape, 0.0)
+            rho = float(foreign.sum()) / max(float(own_then.sum()), 1.0)
+            self._live_key, self._live = metrics, (foreign, own_then, rho)
+        out, own_then, rho = self._live
         mode = self.mode
         if mode != "raw":
-            own_then = np.where(live, self._own_at_scrape, 0.0)
-            rho = float(out.sum()) / max(float(own_then.sum()), 1.0)
             scaled: FloatArray = rho * own_now.astype(np.float64)
             out = scaled if mode == "scaled" else np.maximum(scaled + out - rho * own_then, 0.0)
         return out if out.any() else None
@@ -120,8 +140,7 @@ class ForeignLoad:
     ) -> tuple[IntArray, FloatArray]:
         """The ledger's snapshot arrays with ``counts`` foreign requests added (read-only copies)."""
         own = requests.astype(np.float64)
-        profile = np.array([p if p is not None else [0.0] * _ROWS for p in self._profile], dtype=np.float64).T
-        mean = np.where(own > 0, floats / np.maximum(own, 1.0), profile)
+        mean: FloatArray = np.where(own > 0, floats / np.maximum(own, 1.0), self._profile)
         extra = mean * counts
         extra[_PENDING] = counts * self._waiting_share * mean[_INPUT]
         out_floats: FloatArray = floats + extra
