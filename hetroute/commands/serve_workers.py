@@ -35,6 +35,9 @@ another N, or with one process, starts from the same files).
 - a worker whose parent disappears (``SIGKILL``) reads end-of-file on its pipe and shuts down
   gracefully: no orphan keeps serving the port.
 
+``multiprocessing`` also starts its resource-tracker helper, one small process that exits when the
+parent does.
+
 **Access log.** The workers share the parent's stdout; each writes whole lines, at most ``PIPE_BUF``
 bytes per write (:class:`~hetroute.access_log.WholeLineWriter`), so lines never interleave mid-line.
 """
