@@ -582,6 +582,10 @@ def _progress(row: dict[str, Any]) -> str:
     )
 
 
+QUIET_CORES = 0.05
+"""A window is quiet when processes outside the benchmark used less than this many cores in it."""
+
+
 def _ceiling_estimate(m: dict[str, Any], workers: int, cores: int) -> float:
     """Requests/s the cores would allow with nothing else running, from the measured CPU per request:
     the proxy's processes cannot use more than ``min(workers, cores)`` cores, and the proxy, the
@@ -604,8 +608,11 @@ def summarise_ceiling(res: dict[str, Any]) -> list[dict[str, Any]]:
                 def med(get: Callable[[dict[str, Any]], float], rows: list[dict[str, Any]] = mine) -> float:
                     return float(np.median([get(r) for r in rows]))
 
+                clean = [r for r in mine if r["cores_busy"]["other_processes"] < QUIET_CORES]
                 row[f"workers_{w}"] = {
                     "req_per_s": med(lambda r: r["req_per_s"]),
+                    "quiet_windows": len(clean),
+                    "quiet_req_per_s": med(lambda r: r["req_per_s"], clean) if clean else None,
                     "best_req_per_s": max(r["req_per_s"] for r in mine),
                     "req_per_s_runs": [round(r["req_per_s"]) for r in mine],
                     "p50_us": med(lambda r: r["p50_us"]),
@@ -623,6 +630,8 @@ def summarise_ceiling(res: dict[str, Any]) -> list[dict[str, Any]]:
             one, many = row["workers_1"], row[f"workers_{res['workers']}"]
             row["ratio"] = many["req_per_s"] / one["req_per_s"]
             row["ratio_best"] = many["best_req_per_s"] / one["best_req_per_s"]
+            quiet = one["quiet_req_per_s"], many["quiet_req_per_s"]
+            row["ratio_quiet"] = quiet[1] / quiet[0] if None not in quiet else None
             est = {w: _ceiling_estimate(row[f"workers_{w}"], w, res["cores"]) for w in (1, res["workers"])}
             row["estimate_without_other_load"] = {
                 "workers_1_req_per_s": est[1],
@@ -631,6 +640,10 @@ def summarise_ceiling(res: dict[str, Any]) -> list[dict[str, Any]]:
             }
             out.append(row)
     return out
+
+
+def _quiet(m: dict[str, Any]) -> str:
+    return "-" if m["quiet_req_per_s"] is None else f"{m['quiet_req_per_s']:.0f} ({m['quiet_windows']})"
 
 
 def ceiling_markdown(res: dict[str, Any], summary: list[dict[str, Any]], mach: dict[str, Any]) -> str:
@@ -644,11 +657,13 @@ def ceiling_markdown(res: dict[str, Any], summary: list[dict[str, Any]], mach: d
         f"{mach['cpu']}, {mach['cores']} cores, Python {mach['python']}, aiohttp {mach['aiohttp']}. "
         "Harnesses and layouts: the docstring of `benchmarks/overhead.py`.",
         "",
-        "Measured (median of the windows, each window in brackets; best: the best window of each):",
+        "Measured (median of the windows, each window in brackets; best: the best window of each; "
+        f"quiet: the median of the windows in which other processes used < {QUIET_CORES} cores, "
+        "how many in brackets):",
         "",
         f"| harness | layout | req/s, 1 worker | req/s, {w} workers | ratio | ratio of best "
-        f"| other processes' cores (1 / {w}) |",
-        "|---|---|---|---|---|---|---|",
+        f"| other processes' cores (1 / {w}) | quiet req/s (1 / {w}) | quiet ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary:
         one, many = row["workers_1"], row[f"workers_{w}"]
@@ -656,7 +671,9 @@ def ceiling_markdown(res: dict[str, Any], summary: list[dict[str, Any]], mach: d
         lines.append(
             f"| {row['harness']} | {row['layout']} | {one['req_per_s']:.0f} ({one_runs}) "
             f"| {many['req_per_s']:.0f} ({many_runs}) | {row['ratio']:.2f} | {row['ratio_best']:.2f} "
-            f"| {one['other_processes_cores']:.2f} / {many['other_processes_cores']:.2f} |"
+            f"| {one['other_processes_cores']:.2f} / {many['other_processes_cores']:.2f} "
+            f"| {_quiet(one)} / {_quiet(many)} "
+            f"| {'-' if row['ratio_quiet'] is None else format(row['ratio_quiet'], '.2f')} |"
         )
     lines += [
         "",
