@@ -1,7 +1,8 @@
 """One structured (JSON) access-log line per client request.
 
 Owns the record's field set and its serialisation; the destination is a line sink (``hetroute
-serve``: buffered stdout) or, by default, the ``hetroute.access`` logger.
+serve``: buffered stdout; each of ``hetroute serve --workers``: a :class:`WholeLineWriter` on
+stdout) or, by default, the ``hetroute.access`` logger.
 Fields: request_id, api, path, model, backend, status, attempts, stream, ttft_s, itl_s (mean
 gap between stream events), duration_s,
 prompt_tokens, completion_tokens, policy, reason, error.
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import select
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -73,3 +76,42 @@ class AccessLog:
             self._sink(line + "\n")
         else:
             self._logger.info(line)
+
+
+class WholeLineWriter:
+    """A line sink for one of several processes that share a file descriptor (``hetroute serve
+    --workers``): lines are buffered and written in whole lines, at most ``limit`` bytes per
+    ``os.write`` (default ``PIPE_BUF``), so the lines of different processes never interleave
+    mid-line: POSIX makes such a write to a pipe atomic, and Linux makes a write to a regular file
+    atomic with respect to the shared offset. A single line longer than ``limit`` is written alone
+    (then only the file case holds).
+
+    ``write`` never calls ``os.write`` until the buffer would exceed ``limit``; the owner calls
+    :meth:`flush` periodically and at shutdown. Like a buffered ``sys.stdout``, a write blocks while
+    a pipe reader lags behind by a full pipe.
+    """
+
+    __slots__ = ("_fd", "_limit", "_parts", "_size")
+
+    def __init__(self, fd: int, limit: int = select.PIPE_BUF) -> None:
+        self._fd = fd
+        self._limit = limit
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def write(self, line: str) -> None:
+        data = line.encode()
+        if self._size + len(data) > self._limit:
+            self.flush()
+        self._parts.append(data)
+        self._size += len(data)
+
+    def flush(self) -> None:
+        if not self._parts:
+            return
+        data = b"".join(self._parts)
+        self._parts.clear()
+        self._size = 0
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]

@@ -9,6 +9,9 @@ Lifecycle (``cleanup_ctx``, reverse order on shutdown): one pooled ``ClientSessi
 the app's lifetime (plus a never-pooled one for stale-socket retries), then the background
 tasks (active probes, one scraper per backend), which are cancelled and awaited before the
 sessions close.
+
+``hetroute serve --workers N`` builds one app per worker process with this same function
+(``worker=k``); nothing is shared between them but the listening port.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -35,6 +38,7 @@ from hetroute.learning.state import load_saved, save_all
 from hetroute.policies import PolicyContext, build_policy
 from hetroute.policies.backend_model import BackendModels
 from hetroute.prefix.state import PrefixState
+from hetroute.proxy.api_errors import WORKER_HEADER
 from hetroute.proxy.client_limits import ClientGuard, limits_of
 from hetroute.proxy.connection import LINGERING_S, GuardedRunner
 from hetroute.proxy.forward import Forwarder, ForwardSettings
@@ -59,6 +63,8 @@ ESTIMATOR = web.AppKey("estimator", TokenEstimator)
 ADMISSION = web.AppKey("admission", AdmissionGate)
 LEARNER = web.AppKey("learner", LiveModels)
 CLIENT_GUARD = web.AppKey("client_guard", ClientGuard)
+SAVE_DIR = web.AppKey("save_dir", str)
+"""Where this app writes its learned models (absent: it writes none)."""
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +91,19 @@ def build_app(
     seed: int | None = None,
     registry: CollectorRegistry | None = None,
     access_sink: LineSink | None = None,
+    worker: int | None = None,
 ) -> web.Application:
     """A ready-to-run gateway for ``cfg`` (whose backends must be resolved by discovery).
 
     ``access_sink`` receives each access-log line (default: the ``hetroute.access`` logger).
+    ``worker`` is this process's index among the ``server.workers`` processes of ``hetroute serve
+    --workers`` (None: the only process). Worker k draws its random choices from ``seed + k``
+    (policy tie-breaks, predictor, request-id prefix), so the workers' choices differ; every response
+    it prepares carries ``x-hetroute-worker: k``; and all workers load saved models from
+    ``learning.state_dir`` but only worker 0 writes there, so no two processes write one file.
     """
     clock = clock or MonotonicClock()
-    seed = cfg.seed if seed is None else seed
+    seed = (cfg.seed if seed is None else seed) + (worker or 0)
     registry = registry if registry is not None else CollectorRegistry()
     specs = cfg.specs()
     names = [s.name for s in specs]
@@ -196,10 +208,23 @@ def build_app(
         app.on_cleanup.append(_close_admission)
     if learner is not None:
         app[LEARNER] = learner
+        if cfg.learning.state_dir and not worker:
+            app[SAVE_DIR] = cfg.learning.state_dir
+    if worker is not None:
+        app.on_response_prepare.append(_worker_header(worker))
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_background_tasks)
     add_routes(app, gateway)
     return app
+
+
+def _worker_header(worker: int) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
+    value = str(worker)
+
+    async def tag(_: web.Request, response: web.StreamResponse) -> None:
+        response.headers[WORKER_HEADER] = value
+
+    return tag
 
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
@@ -237,14 +262,15 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
             for i in range(len(router.backends))
         ]
     learner = app.get(LEARNER)
+    save_dir = app.get(SAVE_DIR)
     if learner is not None:
-        tasks.append(asyncio.create_task(learning_loop(learner, router, cfg)))
+        tasks.append(asyncio.create_task(learning_loop(learner, router, cfg, save_dir)))
     yield
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    if learner is not None and cfg.learning.state_dir:
-        _save(learner, router, cfg.learning.state_dir)
+    if learner is not None and save_dir:
+        _save(learner, router, save_dir)
 
 
 def _save(learner: LiveModels, router: Router, state_dir: str) -> None:
@@ -258,11 +284,15 @@ def _save(learner: LiveModels, router: Router, state_dir: str) -> None:
 
 
 async def learning_loop(
-    learner: LiveModels, router: Router, cfg: Config, sleep: Sleeper = asyncio.sleep
+    learner: LiveModels,
+    router: Router,
+    cfg: Config,
+    save_dir: str | None,
+    sleep: Sleeper = asyncio.sleep,
 ) -> None:
     """Refit the live models every ``learning.refit_interval_s`` (waited through ``sleep``; off the
-    request path: requests only append observations) and save them every ``learning.save_interval_s``
-    when a state dir is set."""
+    request path: requests only append observations) and save them to ``save_dir`` every
+    ``learning.save_interval_s`` (None: never)."""
     every = cfg.learning
     clock = router.clock
     last_save = clock.now()
@@ -270,9 +300,9 @@ async def learning_loop(
         await sleep(every.refit_interval_s)
         learner.set_capacities(router.snapshot().kv_capacity_tokens)
         learner.refit(clock.now())
-        if every.state_dir and clock.now() - last_save >= every.save_interval_s:
+        if save_dir and clock.now() - last_save >= every.save_interval_s:
             last_save = clock.now()
-            _save(learner, router, every.state_dir)
+            _save(learner, router, save_dir)
 
 
 def make_runner(app: web.Application) -> web.AppRunner:
@@ -293,12 +323,20 @@ def make_runner(app: web.Application) -> web.AppRunner:
 
 
 async def start_app(
-    app: web.Application, host: str = "127.0.0.1", port: int = 0
+    app: web.Application, host: str = "127.0.0.1", port: int = 0, *, reuse_port: bool = False
 ) -> tuple[web.AppRunner, int]:
-    """Start ``app`` on ``host:port`` (0: any free port); returns the runner and the bound port."""
+    """Start ``app`` on ``host:port`` (0: any free port); returns the runner and the bound port.
+    When it cannot listen (the port is taken), the app is cleaned up and the OSError raised.
+
+    ``reuse_port``: bind with ``SO_REUSEPORT``, so that several processes (``hetroute serve
+    --workers``) listen on one port and the kernel spreads new connections across them (Linux)."""
     runner = make_runner(app)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
+    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()  # the app's sessions and background tasks started at setup
+        raise
     bound = runner.addresses[0][1]
     return runner, int(bound)

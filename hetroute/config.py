@@ -33,6 +33,7 @@ from hetroute.types import ENGINE_KINDS, BackendSpec, EngineKind
 
 ADMIN_TOKEN_ENV = "HETROUTE_ADMIN_TOKEN"
 DEFAULT_POLICY_TYPE = "default"
+SHARED_PORT_ZERO = "must be a fixed port, not 0, when server.workers > 1 (the workers share it)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,9 @@ class ServerConfig:
     body_timeout_s: float = 60.0
     keepalive_idle_s: float = 75.0
     max_connections: int = 2048
+    workers: int = 1
+    """Processes serving the port (``hetroute serve --workers``, :mod:`hetroute.commands.serve_workers`);
+    more than 1 needs Linux and a fixed ``port``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,7 +261,7 @@ def _url(value: Any, path: str) -> str:
 
 _SERVER_KEYS = (
     "host", "port", "max_body_bytes", "shutdown_grace_s", "access_log",
-    "header_timeout_s", "body_timeout_s", "keepalive_idle_s", "max_connections",
+    "header_timeout_s", "body_timeout_s", "keepalive_idle_s", "max_connections", "workers",
 )  # fmt: skip
 _TIMEOUT_KEYS = ("connect_s", "first_byte_s", "idle_s", "discovery_s", "request_s")
 _HEALTH_KEYS = tuple(HealthConfig.__dataclass_fields__)
@@ -284,6 +288,9 @@ def _server(raw: Any) -> ServerConfig:
     port = _int(d, "port", "server", dflt.port, minimum=0)
     if port > 65535:
         raise ConfigError("server.port", f"must be <= 65535, got {port}")
+    workers = _int(d, "workers", "server", dflt.workers)
+    if workers > 1 and port == 0:
+        raise ConfigError("server.port", SHARED_PORT_ZERO)
     return ServerConfig(
         host=_str(d, "host", "server", dflt.host),
         port=port,
@@ -294,6 +301,7 @@ def _server(raw: Any) -> ServerConfig:
         body_timeout_s=_num(d, "body_timeout_s", "server", dflt.body_timeout_s),
         keepalive_idle_s=_num(d, "keepalive_idle_s", "server", dflt.keepalive_idle_s),
         max_connections=_int(d, "max_connections", "server", dflt.max_connections),
+        workers=workers,
     )
 
 

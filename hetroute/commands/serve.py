@@ -1,30 +1,29 @@
 """``hetroute serve``: run the gateway from a config file or a quick ``--backend`` list.
 
 Owns process-level concerns only: argument parsing, logging set-up, discovery of
-backends' engines and models, the uvloop event loop (installed here and nowhere else),
-and graceful shutdown: on SIGTERM/SIGINT the listener closes, in-flight streams get
-``server.shutdown_grace_s`` to finish, those still running then end with the API's error
-event (:mod:`hetroute.proxy.drain`), and the process exits within the grace period + 1 s.
+backends' engines and models, the uvloop event loop (installed here and in the workers of
+:mod:`hetroute.commands.serve_workers`, nowhere else), and graceful shutdown: on SIGTERM/SIGINT
+the listener closes, in-flight streams get ``server.shutdown_grace_s`` to finish, those still
+running then end with the API's error event (:mod:`hetroute.proxy.drain`), and the process exits
+within the grace period + 1 s. With ``server.workers`` > 1 (``--workers N``) the process supervises
+N worker processes instead (:mod:`hetroute.commands.serve_workers`); with 1 it is the gateway itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
-import json
 import logging
 import signal
 import sys
 from dataclasses import replace
-from typing import TextIO
 
-from hetroute.app import CLIENT_GUARD, FORWARDER, build_app, start_app
+from hetroute.app import build_app, start_app
 from hetroute.backends.discovery import discover
-from hetroute.config import Config, load_config, quick_config
+from hetroute.commands.serving import describe, serve_until, stop_on, warn_if_admin_exposed
+from hetroute.config import SHARED_PORT_ZERO, Config, load_config, quick_config
 from hetroute.errors import ConfigError
-from hetroute.proxy.admin_auth import admin_exposure_warning, read_token_file
-from hetroute.proxy.drain import drain
+from hetroute.proxy.admin_auth import read_token_file
 
 log = logging.getLogger("hetroute.serve")
 
@@ -66,6 +65,18 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="FILE",
         help="file holding the bearer token for /admin (overrides admin_token and HETROUTE_ADMIN_TOKEN)",
     )
+    p.add_argument(
+        "--workers",
+        metavar="N",
+        type=int,
+        help=(
+            "run N gateway processes that share the listening port through SO_REUSEPORT (the kernel "
+            "spreads new connections across them; Linux only; overrides server.workers, default 1). "
+            "Each keeps its own ledger and learns from its own traffic only; they see each other's "
+            "load through the engines' scraped metrics (scrape.foreign_load). /admin, /metrics and "
+            "/health answer for the one worker a connection reaches"
+        ),
+    )
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     p.set_defaults(func=run)
 
@@ -88,6 +99,16 @@ def _load(args: argparse.Namespace) -> Config:
         if not 0 <= args.port <= 65535:
             raise ConfigError("--port", f"must be in [0, 65535], got {args.port}")
         server = replace(server, port=args.port)
+    if args.workers is not None:
+        if args.workers < 1:
+            raise ConfigError("--workers", f"must be >= 1, got {args.workers}")
+        server = replace(server, workers=args.workers)
+    if server.workers > 1:
+        option = "--workers" if args.workers is not None else "server.workers"
+        if server.port == 0:
+            raise ConfigError("--port" if args.port is not None else option, SHARED_PORT_ZERO)
+        if not sys.platform.startswith("linux"):
+            raise ConfigError(option, "more than 1 needs Linux (SO_REUSEPORT spreads connections there)")
     learning = cfg.learning
     if args.state_dir:
         learning = replace(learning, state_dir=args.state_dir)
@@ -97,71 +118,16 @@ def _load(args: argparse.Namespace) -> Config:
     return cfg
 
 
-def warn_if_admin_exposed(cfg: Config) -> None:
-    """Log a WARNING when ``/admin`` is open to anyone who can reach a non-loopback listener."""
-    warning = admin_exposure_warning(cfg.server.host, cfg.admin_token)
-    if warning is not None:
-        log.warning("%s", warning)
-
-
-def _describe(cfg: Config) -> str:
-    backends = [
-        {
-            "name": b.name,
-            "url": b.url,
-            "engine": b.engine,
-            "models": list(b.models or ()),
-            "profile": b.profile_path,
-        }
-        for b in cfg.backends
-    ]
-    return json.dumps(
-        {
-            "policy": cfg.policy.type,
-            "predictor": cfg.predictor.type if cfg.predictor else "default",
-            "backends": backends,
-            "listen": f"{cfg.server.host}:{cfg.server.port}",
-            "client_limits": {
-                k: getattr(cfg.server, k)
-                for k in ("header_timeout_s", "body_timeout_s", "keepalive_idle_s", "max_connections")
-            },
-            "admin_token": "set" if cfg.admin_token else "none",
-        }
-    )
-
-
-async def _flush_every(stream: TextIO, interval_s: float) -> None:
-    """Access-log lines are written to a buffered stdout; push them out periodically."""
-    while True:
-        await asyncio.sleep(interval_s)
-        stream.flush()
-
-
 async def _serve(cfg: Config) -> None:
     """Discover, start, and on SIGTERM/SIGINT close the listener and drain in-flight requests."""
     cfg = await discover(cfg)
-    log.info("effective config: %s", _describe(cfg))
+    log.info("effective config: %s", describe(cfg))
     warn_if_admin_exposed(cfg)
     out = sys.stdout
     app = build_app(cfg, access_sink=out.write)
     runner, port = await start_app(app, cfg.server.host, cfg.server.port)
-    # Everything built so far lives as long as the process: keep it out of the cyclic GC's
-    # scans, so a full collection does not stall requests for milliseconds.
-    gc.freeze()
-    flusher = asyncio.create_task(_flush_every(out, 0.5))
     log.info("hetroute listening on http://%s:%d", cfg.server.host, port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-        log.info("shutting down: draining in-flight requests for up to %gs", cfg.server.shutdown_grace_s)
-        await drain(runner, app[FORWARDER], app[CLIENT_GUARD], cfg.server.shutdown_grace_s)
-    finally:
-        await runner.cleanup()  # no-op after drain; cuts everything on an error
-        flusher.cancel()
-        out.flush()
+    await serve_until(stop_on((signal.SIGTERM, signal.SIGINT)), app, runner, out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -170,6 +136,10 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         cfg = _load(args)
+        if cfg.server.workers > 1:
+            from hetroute.commands.serve_workers import supervise
+
+            return supervise(cfg, args.log_level)
         import uvloop  # the serve command is the only place the event loop is chosen
 
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

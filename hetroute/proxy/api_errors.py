@@ -14,6 +14,8 @@ from aiohttp import web
 from hetroute.types import Api
 
 BACKEND_HEADER = "x-hetroute-backend"
+WORKER_HEADER = "x-hetroute-worker"
+"""Which ``hetroute serve --workers`` process answered (only when there are several)."""
 REQUEST_ID_HEADER = "x-request-id"
 
 _OPENAI_TYPES = {

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from hetroute.app import HEALTH
-from hetroute.commands.serve import warn_if_admin_exposed
+from hetroute.commands.serving import warn_if_admin_exposed
 from hetroute.config import config_from_dict
 from hetroute.proxy.encodings import SUPPORTED_ENCODINGS
 from tests.conftest import MODEL, EmulateFn, GatewayFn, metric_sum

@@ -72,6 +72,10 @@ def test_missing_url_names_field() -> None:
         (_with(policy={"type": "round_robin", "extra": 1}), "policy.extra"),
         (_with(server={"port": 70000}), "server.port"),
         (_with(server={"max_body_bytes": 0}), "server.max_body_bytes"),
+        (_with(server={"workers": 0}), "server.workers"),
+        (_with(server={"workers": "two"}), "server.workers"),
+        (_with(server={"workers": True}), "server.workers"),
+        (_with(server={"workers": 2, "port": 0}), "server.port"),
         (_with(timeouts={"idle_s": -1}), "timeouts.idle_s"),
         (_with(timeouts={"total_s": 5}), "timeouts.total_s"),
         (_with(health={"max_ejection_percent": 150}), "health.max_ejection_percent"),
@@ -90,6 +94,14 @@ def test_section_errors_name_the_field(data: dict[str, Any], path: str) -> None:
     with pytest.raises(ConfigError) as info:
         config_from_dict(data, env={})
     assert info.value.path == path
+
+
+def test_server_workers_default_one_and_the_error_names_the_field() -> None:
+    assert config_from_dict(_with(), env={}).server.workers == 1
+    assert config_from_dict(_with(server={"workers": 4}), env={}).server.workers == 4
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(_with(server={"workers": 0}), env={})
+    assert str(info.value).startswith("server.workers: ") and ">= 1" in str(info.value)
 
 
 def test_foreign_load_modes_and_a_bare_yaml_off() -> None:

@@ -1,0 +1,188 @@
+"""``hetroute serve --workers N``: real processes sharing one port on 127.0.0.1 (SO_REUSEPORT).
+
+The process tests start ``python -m hetroute serve --workers 2`` in front of an in-process emulated
+engine, read the parent's start-up line (``2 workers serving on ... (pids A, B)``) from its stderr,
+and identify the answering worker by the ``x-hetroute-worker`` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from hetroute.app import LEARNER, SAVE_DIR, build_app, start_app
+from hetroute.cli import build_parser
+from hetroute.commands import serve
+from hetroute.config import config_from_dict
+from hetroute.errors import ConfigError
+from tests.conftest import MODEL, EmulateFn, backend_entry, eventually
+from tests.integration.test_gateway_serve import _free_port
+
+START_S = 60.0  # two spawned interpreters importing numpy/aiohttp on a busy 2-core machine
+EXIT_S = 10.0
+SERVING = re.compile(r"(\d+) workers serving on http://\S+ \(pids ([\d, ]+)\)")
+
+
+@dataclass
+class Served:
+    proc: asyncio.subprocess.Process
+    url: str
+    pids: list[int]
+    stderr: list[str] = field(default_factory=list)
+
+
+async def _collect(stream: asyncio.StreamReader, into: list[str], seen: asyncio.Queue[str]) -> None:
+    while line := await stream.readline():
+        text = line.decode(errors="replace")
+        into.append(text)
+        seen.put_nowait(text)
+
+
+@asynccontextmanager
+async def _serve_workers(backend_url: str, workers: int = 2) -> AsyncIterator[Served]:
+    port = _free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hetroute", "serve", "--backend", backend_url, "--policy", "round_robin",
+        "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    lines: list[str] = []
+    seen: asyncio.Queue[str] = asyncio.Queue()
+    reader = asyncio.create_task(_collect(proc.stderr, lines, seen))
+    try:
+        async with asyncio.timeout(START_S):
+            while not (m := SERVING.search(await seen.get())):
+                pass
+        assert int(m.group(1)) == workers
+        pids = [int(p) for p in m.group(2).split(", ")]
+        yield Served(proc, f"http://127.0.0.1:{port}", pids, lines)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await asyncio.wait_for(reader, EXIT_S)
+
+
+def _has_fit(app: web.Application) -> bool:
+    return app[LEARNER].fit_of(0) is not None
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def _request(url: str) -> tuple[int, str | None]:
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 8}
+    # A fresh connection per request: the kernel picks a worker per connection.
+    conn = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=conn) as s, s.post(url + "/v1/completions", json=body) as r:
+        await r.read()
+        return r.status, r.headers.get("x-hetroute-worker")
+
+
+async def test_two_workers_share_the_port_and_all_exit_0_on_sigterm(emulate: EmulateFn) -> None:
+    emu = await emulate("vllm")
+    async with _serve_workers(emu.url) as served:
+        assert len(served.pids) == 2 and served.proc.pid not in served.pids
+        answers: list[tuple[int, str | None]] = []
+        for _ in range(5):  # 40 requests, 8 at a time, each on its own connection
+            answers += await asyncio.gather(*(_request(served.url) for _ in range(8)))
+        assert [status for status, _ in answers] == [200] * 40
+        by_worker = {w: sum(1 for _, x in answers if x == w) for w in {x for _, x in answers}}
+        assert set(by_worker) == {"0", "1"}, by_worker  # both processes served
+        async with aiohttp.ClientSession() as s, s.get(served.url + "/admin/backends") as r:
+            assert r.headers["x-hetroute-worker"] in ("0", "1")  # admin answers per worker
+
+        t0 = time.monotonic()
+        served.proc.send_signal(signal.SIGTERM)
+        rc = await asyncio.wait_for(served.proc.wait(), EXIT_S)
+        elapsed = time.monotonic() - t0
+        assert rc == 0, "".join(served.stderr)
+        assert elapsed < 5.0, elapsed
+        assert all(_gone(pid) for pid in served.pids)  # reaped by the parent, none left behind
+        assert served.proc.stdout is not None
+        log_lines = (await served.proc.stdout.read()).decode().splitlines()
+        # The workers share stdout: 40 whole JSON lines, none interleaved with another.
+        records = [json.loads(line) for line in log_lines]
+        assert len(records) == 40 and all(r["status"] == 200 for r in records)
+        prefixes = {r["request_id"].split("-")[0] for r in records}
+        assert len(prefixes) == 2  # seed + k: each worker has its own request-id prefix
+
+
+async def test_a_killed_worker_stops_the_others_and_the_parent_exits_non_zero(emulate: EmulateFn) -> None:
+    emu = await emulate("vllm")
+    async with _serve_workers(emu.url) as served:
+        assert (await _request(served.url))[0] == 200
+        os.kill(served.pids[0], signal.SIGKILL)
+        rc = await asyncio.wait_for(served.proc.wait(), EXIT_S)
+        assert rc == 1
+        assert all(_gone(pid) for pid in served.pids)
+        assert any("exited unexpectedly" in line for line in served.stderr)
+
+
+async def test_workers_need_a_fixed_port_and_at_least_one() -> None:
+    parser = build_parser("serve", lazy=True)
+    for argv, field_name in (
+        (["--workers", "0"], "--workers"),
+        (["--workers", "2", "--port", "0"], "--port"),
+    ):
+        args = parser.parse_args(["serve", "--backend", "http://127.0.0.1:1", *argv])
+        with pytest.raises(ConfigError) as info:
+            serve._load(args)
+        assert info.value.path == field_name
+    args = parser.parse_args(["serve", "--backend", "http://127.0.0.1:1", "--port", "8123", "--workers", "3"])
+    cfg = serve._load(args)
+    assert (cfg.server.workers, cfg.server.port) == (3, 8123)
+
+
+async def test_worker_apps_differ_in_seed_and_only_worker_0_saves(emulate: EmulateFn, tmp_path: Path) -> None:
+    emu = await emulate("vllm")
+    cfg = config_from_dict(
+        {
+            "backends": [backend_entry(emu)],
+            "server": {"workers": 2},
+            "learning": {"state_dir": str(tmp_path), "refit_interval_s": 0.05},
+        },
+        env={},
+    )
+    apps = {k: build_app(cfg, registry=CollectorRegistry(), worker=k) for k in (0, 1)}
+    assert apps[0][SAVE_DIR] == str(tmp_path) and SAVE_DIR not in apps[1]
+    assert SAVE_DIR in build_app(cfg, registry=CollectorRegistry())  # the single process saves
+    saved_file = f"{emu.name}.yaml"
+    for k, app in apps.items():
+        runner, port = await start_app(app)
+        try:
+            async with aiohttp.ClientSession() as s:
+                for n in range(8):
+                    body = {"model": MODEL, "prompt": "word " * (10 + 5 * n), "max_tokens": 4 + n}
+                    async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+                        assert r.status == 200 and r.headers["x-hetroute-worker"] == str(k)
+            assert await eventually(partial(_has_fit, app))
+        finally:
+            await runner.cleanup()  # worker 0's cleanup saves its models; worker 1's does not
+        files = sorted(os.listdir(tmp_path))
+        if k == 0:
+            assert files == [saved_file]
+            (tmp_path / saved_file).unlink()
+        else:
+            assert files == []
