@@ -144,6 +144,7 @@ def build_app(
         telemetry.bind_learner(names, learner)
     if router.prefix is not None:
         telemetry.bind_prefix(names, router.prefix)
+    telemetry.bind_foreign(names, router.foreign_requests)
     estimator = TokenEstimator(cfg.tokens.initial_chars_per_token, cfg.tokens.learn_rate)
     t = cfg.timeouts
     forwarder = Forwarder(

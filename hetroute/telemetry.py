@@ -17,6 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from hetroute.learning.live import LiveModels
 from hetroute.prefix.state import PrefixState
+from hetroute.types import FloatArray
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -147,6 +148,22 @@ class Telemetry:
             error.labels(name).set_function(_error)
             samples.labels(name).set_function(_samples)
             drifts.labels(name).set_function(_drifts)
+
+    def bind_foreign(self, names: Sequence[str], foreign_requests: Callable[[], FloatArray]) -> None:
+        """Export ``hetroute_foreign_requests`` per backend, computed on scrape: the requests the router
+        counts there on behalf of others (other replicas, direct clients; ``scrape.foreign_load``)."""
+        gauge = Gauge(
+            "hetroute_foreign_requests",
+            "Requests counted on the backend on behalf of other routers or clients (from engine scrapes).",
+            ["backend"],
+            registry=self.registry,
+        )
+        for i, name in enumerate(names):
+
+            def _count(i: int = i) -> float:
+                return float(foreign_requests()[i])
+
+            gauge.labels(name).set_function(_count)
 
     def bind_prefix(self, names: Sequence[str], prefix: PrefixState) -> None:
         """Export the prefix index, computed on scrape: ``hetroute_prefix_index_chunks`` (chunks assumed

@@ -8,7 +8,7 @@ import asyncio
 import aiohttp
 
 from hetroute.app import ROUTER
-from tests.conftest import MODEL, EmulateFn, Gateway, GatewayFn, eventually
+from tests.conftest import MODEL, EmulateFn, Gateway, GatewayFn, eventually, metric_sum
 
 SPEEDUP = 4.0
 WAIT_S = 10.0
@@ -45,6 +45,7 @@ async def test_a_replica_counts_the_requests_another_replica_sent(
         assert two.ledger.in_flight() == 0 and two.ledger.is_zero()
         shown = await _admin(s, two)
         assert sum(shown.values()) == 6.0
+        assert metric_sum(two, "hetroute_foreign_requests") == 6.0
         assert sum((await _admin(s, one)).values()) == 0.0  # one's own requests are not foreign to it
         assert await asyncio.gather(*sent) == [200] * 6
         # Once they finish, the next scrapes clear the foreign count.
