@@ -4,7 +4,9 @@ Usage: ``python benchmarks/decision_latency.py [--decisions N] [--sizes 4,64,512
 Writes ``benchmarks/results/decision_latency.json`` and ``decision_latency.md``.
 
 Per (policy, fleet size) it builds a fleet of alternating fast/slow profiled backends (all serving one
-model, half of them loaded with in-flight work), then times ``policy.choose`` alone and
+model, 8 × n requests in flight), wired as the gateway wires its router (a health tracker and a
+metrics store holding one fresh scrape per backend, read through their whole-fleet providers), then
+times ``policy.choose`` alone and
 ``Router.route`` + ``Router.release`` (snapshot copy + policy + ledger) with ``time.perf_counter_ns``
 over N decisions after a warm-up, and reports p50/p99/mean in microseconds. Single-threaded, one core.
 """
@@ -22,12 +24,15 @@ from typing import Any
 
 import numpy as np
 
+from hetroute.backends.health import HealthTracker
+from hetroute.backends.scrape import MetricsStore
 from hetroute.clock import ManualClock
+from hetroute.config import HealthConfig
 from hetroute.latency import EngineLimits, LatencyParams, LatencyProfile
 from hetroute.policies import POLICIES, PolicyContext, build_policy
 from hetroute.routing.ledger import Ledger
 from hetroute.routing.router import Router
-from hetroute.types import BackendSpec, RequestFeatures
+from hetroute.types import BackendSpec, EngineMetrics, RequestFeatures
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FAST = LatencyParams(4.7e-5, 0.0, 4.7e-6, 0.0, 3.7e-8, 4.1e-5, 1.3e-7, 9.4e-3)
@@ -59,13 +64,33 @@ def measure(name: str, n: int, decisions: int) -> dict[str, float]:
         params = {"weights": [4 if i % 2 == 0 else 1 for i in range(n)]}
     policy = build_policy(name, params, PolicyContext(backends, seed=1))
     ledger = Ledger([b.name for b in backends])
-    router = Router(backends, policy, ledger, ManualClock())
+    # Wired as the gateway wires it (app.py): health tracker and metrics store, one fresh scrape per
+    # backend, and their whole-fleet providers for the snapshot.
+    clock = ManualClock(10.0)
+    health = HealthTracker(HealthConfig(), [b.name for b in backends], clock)
+    store = MetricsStore(n, clock, stale_after_s=5.0)
+    router = Router(
+        backends,
+        policy,
+        ledger,
+        clock,
+        is_available=health.is_available,
+        latest_metrics=store.latest,
+        available_all=health.available_all,
+        latest_metrics_all=store.latest_all,
+    )
+    store.on_publish = router.scraped
     rng = np.random.default_rng(1)
     feats = [
         RequestFeatures(f"r{k}", "m", "openai", int(rng.integers(4, 1024)), None, int(rng.integers(4, 600)))
         for k in range(decisions)
     ]
-    held = [router.route(f) for f in feats[: 8 * n]]  # background load: 8 in-flight per backend
+    held = [router.route(f) for f in feats[: 8 * n]]  # background load: 8 in flight per backend
+    for i in range(n):  # one router: each engine holds exactly the router's own requests
+        running = float(ledger.requests_in_flight[i])
+        store.publish(
+            i, EngineMetrics(scraped_at_s=9.5, num_requests_running=running, num_requests_waiting=0.0)
+        )
     snap = router.snapshot()
     cands = np.arange(n, dtype=np.int64)
     for f in feats[:200]:  # warm-up

@@ -131,6 +131,8 @@ def build_app(
         clock,
         is_available=health.is_available,
         latest_metrics=metrics.latest,
+        available_all=health.available_all,
+        latest_metrics_all=metrics.latest_all,
         on_decision=telemetry.on_decision,
         learner=learner,
         prefix=PrefixState(len(specs), cfg.prefix) if cfg.prefix.enabled else None,

@@ -81,6 +81,21 @@ class HealthTracker:
     def is_available(self, i: int) -> bool:
         return self.states[i].probe_healthy and not self.is_ejected(i)
 
+    def available_all(self) -> tuple[bool, ...]:
+        """:meth:`is_available` of every backend, with one clock read (the router's snapshot: one call
+        per decision instead of one per backend); ends ejections that have run out, as it does."""
+        now = self.clock.now()
+        out = []
+        for h in self.states:
+            until = h.ejected_until_s
+            if until is not None:
+                if now < until:
+                    out.append(False)
+                    continue
+                self._end_ejection(h, until)
+            out.append(h.probe_healthy)
+        return tuple(out)
+
     def available_count(self) -> int:
         return sum(1 for i in range(len(self.states)) if self.is_available(i))
 

@@ -50,6 +50,13 @@ class MetricsStore:
             return None
         return m
 
+    def latest_all(self) -> tuple[EngineMetrics | None, ...]:
+        """:meth:`latest` of every backend, with one clock read (the router's snapshot: one call per
+        decision instead of one per backend)."""
+        now = self.clock.now()
+        stale = self.stale_after_s
+        return tuple([m if m is not None and now - m.scraped_at_s <= stale else None for m in self._latest])
+
     def last_seen(self, i: int) -> EngineMetrics | None:
         """The newest scrape however old (for /admin)."""
         return self._latest[i]

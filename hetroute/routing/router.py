@@ -76,7 +76,12 @@ class Router:
         learner: LiveModels | None = None,
         prefix: PrefixState | None = None,
         foreign: ForeignMode = DEFAULT_FOREIGN_MODE,
+        available_all: Callable[[], tuple[bool, ...]] | None = None,
+        latest_metrics_all: Callable[[], tuple[EngineMetrics | None, ...]] | None = None,
     ) -> None:
+        """``available_all`` / ``latest_metrics_all``, when given, must equal ``is_available`` /
+        ``latest_metrics`` over every backend in one call (the gateway's health tracker and metrics
+        store provide them: one call per decision instead of one per backend)."""
         if not backends:
             raise ValueError("a router needs at least one backend")
         if ledger.backend_names != tuple(b.name for b in backends):
@@ -87,6 +92,8 @@ class Router:
         self.clock = clock
         self._is_available = is_available or _always
         self._latest_metrics = latest_metrics or _no_metrics
+        self._available_all = available_all
+        self._latest_metrics_all = latest_metrics_all
         self._on_decision = on_decision
         self._timer = timer
         self.learner = learner
@@ -114,6 +121,7 @@ class Router:
         self._available_key: tuple[bool, ...] | None = None
         self._available: BoolArray = np.zeros(0, dtype=np.bool_)
         self._decide_started = 0.0  # timer reading at the start of the last decide()
+        self._cand_cache: tuple[tuple[int, ...], tuple[bool, ...], frozenset[int], IntArray] | None = None
 
     def serving(self, model: str, api: Api) -> tuple[int, ...]:
         """Indices of the backends that serve ``model`` through ``api`` (cached)."""
@@ -141,16 +149,22 @@ class Router:
         """The snapshot (with the prefix and session facts of ``features`` when given) and its
         availability as a tuple (cheaper to index than the array)."""
         backends = self._range
-        latest = self._latest_metrics
-        metrics = tuple([latest(i) for i in backends])
+        if self._latest_metrics_all is not None:
+            metrics = self._latest_metrics_all()
+        else:
+            latest = self._latest_metrics
+            metrics = tuple([latest(i) for i in backends])
         prefix = self.prefix
         if metrics != self._caps_key:  # identity of the same objects: no rebuild
             self._caps_key, self._caps = metrics, self._capacities(metrics)
             if prefix is not None:
                 prefix.set_capacities(self._caps)
                 prefix.scraped(metrics)
-        is_available = self._is_available
-        available = tuple([is_available(i) for i in backends])
+        if self._available_all is not None:
+            available = self._available_all()
+        else:
+            is_available = self._is_available
+            available = tuple([is_available(i) for i in backends])
         if available != self._available_key:
             flags: BoolArray = np.array(available, dtype=np.bool_)
             flags.flags.writeable = False
@@ -232,17 +246,35 @@ class Router:
             raise UnknownModel(features.model)
         self._decide_started = self._timer()
         snap, available = self._snapshot(features)
-        cand_list = [i for i in serving if available[i] and i not in exclude]
-        if not cand_list:
+        cand_set, candidates = self._candidates(serving, available, exclude)
+        if not cand_set:
             raise NoBackendAvailable(features.model)
-        candidates: IntArray = np.array(cand_list, dtype=np.int64)
         policy = self.policy
         decision = policy.choose(features, snap, candidates)
-        if decision.index not in cand_list:
+        if decision.index not in cand_set:
             raise RuntimeError(
-                f"policy {policy.name!r} chose backend index {decision.index}, not a candidate {cand_list}"
+                f"policy {policy.name!r} chose backend index {decision.index}, not a candidate "
+                f"{sorted(cand_set)}"
             )
         return decision, snap
+
+    def _candidates(
+        self, serving: tuple[int, ...], available: tuple[bool, ...], exclude: Collection[int]
+    ) -> tuple[frozenset[int], IntArray]:
+        """The available ``serving`` backends not in ``exclude``, as a set and a read-only array; reused
+        while the serving set and availability are unchanged and nothing is excluded (the common case:
+        a first attempt)."""
+        if not exclude:
+            cached = self._cand_cache
+            if cached is not None and cached[0] is serving and cached[1] == available:
+                return cached[2], cached[3]
+        found = [i for i in serving if available[i] and i not in exclude]
+        array: IntArray = np.array(found, dtype=np.int64)
+        array.flags.writeable = False
+        result = (frozenset(found), array)
+        if not exclude:
+            self._cand_cache = (serving, available, *result)
+        return result
 
     def commit(self, features: RequestFeatures, decision: RoutingDecision, snap: ClusterSnapshot) -> Ticket:
         """Record ``decision`` (from :meth:`decide`, which saw ``snap``) as a dispatch in the ledger and

@@ -83,9 +83,11 @@ async def test_scrapes_publish_each_interval_and_a_stale_scrape_is_withheld(emul
     assert published == [0.0, 2.0, 4.0]  # stamped with the injected clock, one per interval
     latest = store.latest(0)
     assert latest is not None and latest.num_requests_running == 0.0
+    assert store.latest_all() == (latest,)
     assert latest.kv_capacity_tokens is not None and latest.kv_capacity_tokens > 0
     clock.advance(3.5)  # 3.5 s after the newest scrape, beyond stale_after_s = 3
     assert store.latest(0) is None and store.last_seen(0) is latest
+    assert store.latest_all() == (None,)
     assert store.age_s(0) == pytest.approx(3.5)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hetroute.backends.health import HealthTracker
 from hetroute.clock import ManualClock
 from hetroute.config import HealthConfig
@@ -130,3 +132,27 @@ def test_confirmed_needs_a_passed_probe_or_a_success() -> None:
     t.record_probe(1, False, "x")
     t.record_probe(1, False, "x")  # unhealthy_threshold: confirmed once, but no longer available
     assert t.confirmed(1) and t.confirmed_available_count() == 1
+
+
+def test_available_all_equals_is_available_of_every_backend_through_ejection_and_probes() -> None:
+    twin_a, clock_a, _ = _tracker(4)
+    twin_b, clock_b, _ = _tracker(4)
+
+    def both(step: Callable[[HealthTracker, ManualClock], object]) -> None:
+        step(twin_a, clock_a)
+        step(twin_b, clock_b)
+        # Each twin read one way only (reading ends expired ejections, so the two must not share state).
+        assert twin_a.available_all() == tuple(twin_b.is_available(i) for i in range(4))
+
+    both(lambda t, c: None)
+    both(lambda t, c: _fail(t, 1, 3))  # ejected for 10 s
+
+    def two_failed_probes(t: HealthTracker, c: ManualClock) -> None:
+        t.record_probe(2, False)
+        t.record_probe(2, False)
+
+    both(two_failed_probes)  # unhealthy
+    both(lambda t, c: c.advance(9.9))
+    both(lambda t, c: c.advance(0.1))  # ejection over
+    both(lambda t, c: t.record_probe(2, True))
+    assert twin_a.states[1].ejected_until_s is None and twin_b.states[1].ejected_until_s is None

@@ -105,3 +105,52 @@ def test_complete_feeds_the_learner_and_a_burst_stream_counts_as_e2e_only() -> N
     assert [o.ttft_s is not None for o in obs] == [True, False, False]  # burst and non-stream: e2e only
     assert obs[0].ttft_s == pytest.approx(0.1) and obs[0].input_tokens == 120 and obs[0].output_tokens == 10
     assert learner.observed_total(0) == 3 and router.ledger.is_zero()
+
+
+def test_whole_fleet_providers_and_the_candidate_cache_decide_as_per_backend_reads() -> None:
+    backends = [spec(f"b{i}", models=("m",)) for i in range(4)]
+    down: set[int] = set()
+    metrics = {i: EngineMetrics(scraped_at_s=0.0, kv_capacity_tokens=4096 * (i + 1)) for i in range(4)}
+    calls = {"available_all": 0, "metrics_all": 0}
+
+    def available_all() -> tuple[bool, ...]:
+        calls["available_all"] += 1
+        return tuple(i not in down for i in range(4))
+
+    def metrics_all() -> tuple[EngineMetrics | None, ...]:
+        calls["metrics_all"] += 1
+        return tuple(metrics.get(i) for i in range(4))
+
+    def make(bulk: bool) -> Router:
+        return Router(
+            backends,
+            build_policy("round_robin", {}, PolicyContext(tuple(backends))),
+            Ledger([b.name for b in backends]),
+            ManualClock(),
+            is_available=lambda i: i not in down,
+            latest_metrics=metrics.get,
+            available_all=available_all if bulk else None,
+            latest_metrics_all=metrics_all if bulk else None,
+        )
+
+    per, bulk = make(False), make(True)
+    chosen: list[tuple[int, int]] = []
+    for step in range(12):
+        if step == 4:
+            down.add(1)  # availability changes: the cached candidates must not be reused
+        if step == 8:
+            down.clear()
+        a, b = per.route(feats("m")), bulk.route(feats("m"))
+        chosen.append((a.backend_index, b.backend_index))
+        per.release(a)
+        bulk.release(b)
+    assert all(x == y for x, y in chosen)
+    assert all(b != 1 for _, b in chosen[4:8])
+    assert calls == {"available_all": 12, "metrics_all": 12}
+    assert np.array_equal(per.snapshot().kv_capacity_tokens, bulk.snapshot().kv_capacity_tokens)
+    # An excluded backend (a retry) is never chosen, and the next first attempt may use it again.
+    t = bulk.route(feats("m"), exclude=[0, 2, 3])
+    assert t.backend_index == 1
+    bulk.release(t)
+    with pytest.raises(NoBackendAvailable):
+        bulk.route(feats("m"), exclude=[0, 1, 2, 3])
