@@ -39,7 +39,15 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from policies_gateway import ADMIN_TOKEN, BACKENDS, HETROUTE, MODEL, free_port, wait_ready  # noqa: E402
+from policies_gateway import (  # noqa: E402
+    ADMIN_TOKEN,
+    BACKENDS,
+    HETROUTE,
+    MODEL,
+    free_port,
+    stop_processes,
+    wait_ready,
+)
 
 from hetroute.sim.emulator_text import filler_prompt  # noqa: E402
 from hetroute.sim.workload import SimRequest, generate_workload  # noqa: E402
@@ -123,18 +131,6 @@ async def _start_stack(
     return backends, gw_port
 
 
-async def _stop(procs: Sequence[asyncio.subprocess.Process]) -> None:
-    for p in procs:
-        if p.returncode is None:
-            p.terminate()
-    for p in procs:
-        try:
-            await asyncio.wait_for(p.wait(), 10)
-        except TimeoutError:
-            p.kill()
-            await p.wait()
-
-
 async def run(
     label: str,
     policy: str,
@@ -171,7 +167,7 @@ async def run(
             "queue_length_after": sum(float(line.split()[-1]) for line in queued),
         }
     finally:
-        await _stop(procs)
+        await stop_processes(procs)
 
 
 def sim_bound(work: Sequence[SimRequest]) -> float:

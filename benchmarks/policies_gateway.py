@@ -65,6 +65,36 @@ async def wait_ready(session: aiohttp.ClientSession, url: str, timeout_s: float 
     raise TimeoutError(f"{url} not ready after {timeout_s} s")
 
 
+async def stop_processes(procs: Sequence[asyncio.subprocess.Process]) -> None:
+    """SIGTERM every process still running, then wait up to 10 s each before SIGKILL."""
+    for p in procs:
+        if p.returncode is None:
+            p.terminate()
+    for p in procs:
+        try:
+            await asyncio.wait_for(p.wait(), 10)
+        except TimeoutError:
+            p.kill()
+            await p.wait()
+
+
+def summarise(work: Sequence[SimRequest], out: Sequence[tuple[float, float, bool]]) -> dict[str, float | int]:
+    """Completed and failed counts, throughput ((I + O) of completed requests / makespan) and p50/p99
+    TTFT of a replay's :func:`one_request` results (model seconds; NaN when nothing completed)."""
+    ok = [o for o in out if o[2]]
+    tokens = sum(r.input_tokens + r.output_tokens for r, o in zip(work, out, strict=True) if o[2])
+    makespan = max(o[1] for o in ok) if ok else math.nan
+    ttft = np.array([o[0] for o in ok])
+    return {
+        "completed": len(ok),
+        "failed": len(out) - len(ok),
+        "throughput_tokens_s": tokens / makespan if ok else math.nan,
+        "makespan_s": makespan,
+        "ttft_p50_s": float(np.percentile(ttft, 50)) if ok else math.nan,
+        "ttft_p99_s": float(np.percentile(ttft, 99)) if ok else math.nan,
+    }
+
+
 async def one_request(
     session: aiohttp.ClientSession, url: str, req: SimRequest, start: float, speedup: float
 ) -> tuple[float, float, bool]:
@@ -157,32 +187,15 @@ async def run_one(
             headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
             async with session.get(f"{base}/admin/backends", headers=headers) as r:
                 admin = await r.json() if r.status == 200 else {}
-        ok = [o for o in out if o[2]]
-        tokens = sum(r.input_tokens + r.output_tokens for r, o in zip(work, out, strict=True) if o[2])
-        makespan = max(o[1] for o in ok) if ok else math.nan
-        ttft = np.array([o[0] for o in ok])
         return {
             "policy": policy,
             "params": params,
             "rate": "inf" if math.isinf(rate) else f"{rate:g}",
-            "completed": len(ok),
-            "failed": len(out) - len(ok),
-            "throughput_tokens_s": tokens / makespan if ok else math.nan,
-            "makespan_s": makespan,
-            "ttft_p50_s": float(np.percentile(ttft, 50)) if ok else math.nan,
-            "ttft_p99_s": float(np.percentile(ttft, 99)) if ok else math.nan,
+            **summarise(work, out),
             "admin_backends": admin,
         }
     finally:
-        for p in procs:
-            if p.returncode is None:
-                p.terminate()
-        for p in procs:
-            try:
-                await asyncio.wait_for(p.wait(), 10)
-            except TimeoutError:
-                p.kill()
-                await p.wait()
+        await stop_processes(procs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

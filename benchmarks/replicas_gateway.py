@@ -31,11 +31,19 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from policies_gateway import BACKENDS, HETROUTE, MODEL, free_port, one_request, wait_ready  # noqa: E402
+from policies_gateway import (  # noqa: E402
+    BACKENDS,
+    HETROUTE,
+    MODEL,
+    free_port,
+    one_request,
+    stop_processes,
+    summarise,
+    wait_ready,
+)
 
 from hetroute.sim.workload import generate_workload  # noqa: E402
 
@@ -105,29 +113,15 @@ async def run_one(replicas: int, mode: str, rate: float, args: argparse.Namespac
                     for k, req in enumerate(work)
                 )
             )
-        ok = [o for o in out if o[2]]
-        tokens = sum(r.input_tokens + r.output_tokens for r, o in zip(work, out, strict=True) if o[2])
-        makespan = max(o[1] for o in ok) if ok else math.nan
-        ttft = np.array([o[0] for o in ok])
+        summary = summarise(work, out)
         return {
             "replicas": replicas,
             "mode": mode,
             "rate": "inf" if math.isinf(rate) else f"{rate:g}",
-            "completed": len(ok),
-            "failed": len(out) - len(ok),
-            "throughput_tokens_s": tokens / makespan if ok else math.nan,
-            "ttft_p99_s": float(np.percentile(ttft, 99)) if ok else math.nan,
+            **{k: summary[k] for k in ("completed", "failed", "throughput_tokens_s", "ttft_p99_s")},
         }
     finally:
-        for p in procs:
-            if p.returncode is None:
-                p.terminate()
-        for p in procs:
-            try:
-                await asyncio.wait_for(p.wait(), 10)
-            except TimeoutError:
-                p.kill()
-                await p.wait()
+        await stop_processes(procs)
 
 
 def markdown(rows: Sequence[dict[str, Any]], args: argparse.Namespace, wall_s: float) -> str:

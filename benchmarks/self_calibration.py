@@ -454,7 +454,7 @@ async def gateway_run(scenario: str, variant: str, rate: float, args: argparse.N
     from hetroute.sim.workload import generate_workload
 
     sys.path.insert(0, str(HERE))
-    from policies_gateway import free_port, wait_ready
+    from policies_gateway import free_port, stop_processes, wait_ready
 
     fleet = fleet_for(scenario, "prior")
     k = float(args.speedup)
@@ -542,15 +542,7 @@ async def gateway_run(scenario: str, variant: str, rate: float, args: argparse.N
             async with session.get(f"{base}/admin/backends", headers=headers) as r:
                 admin = await r.json() if r.status == 200 else {}
     finally:
-        for p in procs:
-            if p.returncode is None:
-                p.terminate()
-        for p in procs:
-            try:
-                await asyncio.wait_for(p.wait(), 10)
-            except TimeoutError:
-                p.kill()
-                await p.wait()
+        await stop_processes(procs)
     names = [b.name for b in fleet.backends]
     ttft = np.array([o[0] for o in out])
     e2e = np.array([o[1] for o in out])

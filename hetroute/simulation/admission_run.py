@@ -48,21 +48,6 @@ class SimAdmission:
     config: AdmissionConfig
     labels: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
-    def make_run(
-        self,
-        fleet: Fleet,
-        workload: Sequence[SimRequest],
-        router: Router,
-        predictor: OutputLengthPredictor,
-        clock: ManualClock,
-        scrape_interval_s: float,
-        learner: LiveModels | None = None,
-        slowdowns: Sequence[Slowdown] = (),
-    ) -> Run:
-        return AdmittedRun(
-            fleet, workload, router, predictor, clock, scrape_interval_s, self, learner, slowdowns
-        )
-
 
 class AdmittedRun(Run):
     """A :class:`Run` whose arrivals wait in the admission queue while every backend is full."""

@@ -35,7 +35,7 @@ from hetroute.routing.ledger import Ledger
 from hetroute.routing.router import Router
 from hetroute.sim.cluster_file import ClusterSpec, Fleet, build_fleet
 from hetroute.sim.workload import SimRequest
-from hetroute.simulation.admission_run import SimAdmission
+from hetroute.simulation.admission_run import AdmittedRun, SimAdmission
 from hetroute.simulation.run import Run, Slowdown
 from hetroute.types import FloatArray, IntArray, Policy
 
@@ -166,7 +166,9 @@ def run_simulation(
         others = [replica(r) for r in range(1, replicas)]
         run = Run(fleet, workload, router, pred, clock, scrape_interval_s, learner, slowdowns, others)
     else:
-        run = admission.make_run(fleet, workload, router, pred, clock, scrape_interval_s, learner, slowdowns)
+        run = AdmittedRun(
+            fleet, workload, router, pred, clock, scrape_interval_s, admission, learner, slowdowns
+        )
     holder.append(run)
     started = time.perf_counter()
     events = run.run()
