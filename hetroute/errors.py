@@ -16,6 +16,15 @@ class ConfigError(HetrouteError):
         self.message = message
 
 
+class FileConfigError(ConfigError):
+    """Invalid content of a file: ``path`` is ``<source>: <field path>`` (``gpus.yaml: gpus[3].name``)."""
+
+    def __init__(self, source: str, field_path: str, message: str) -> None:
+        super().__init__(f"{source}: {field_path}", message)
+        self.source = source
+        self.field_path = field_path
+
+
 class UnknownModel(HetrouteError):
     """No configured backend serves this model through this API (404)."""
 

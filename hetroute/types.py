@@ -11,7 +11,7 @@ Dependency rule: this module imports nothing from the rest of hetroute except
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Literal, Protocol
 
 import numpy as np
@@ -38,8 +38,10 @@ def engine_speaks(engine: EngineKind, api: Api) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class BackendSpec:
-    """One configured backend (engine instance). Immutable; swapped whole on reconfiguration.
+class BackendFields:
+    """The fields a configured backend (``hetroute.config.BackendConfig``) and its routing view
+    (:class:`BackendSpec`) share, defined once. ``engine`` and ``models`` are not here: the routing view
+    requires them, the config may leave them to discovery. Every field after ``url`` is keyword-only.
 
     ``kv_capacity_tokens`` is the configured or discovered KV capacity in tokens (None when
     unknown; engines' ``vllm:cache_config_info`` or the profile may supply it later).
@@ -47,8 +49,7 @@ class BackendSpec:
 
     name: str
     url: str
-    engine: EngineKind
-    models: tuple[str, ...]
+    _: KW_ONLY
     weight: float = 1.0
     labels: Mapping[str, str] = field(default_factory=dict)
     gpu: str | None = None
@@ -57,6 +58,14 @@ class BackendSpec:
     profile_path: str | None = None
     kv_capacity_tokens: int | None = None
     max_num_seqs: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec(BackendFields):
+    """One backend as the router sees it (engine instance). Immutable; swapped whole on reconfiguration."""
+
+    engine: EngineKind
+    models: tuple[str, ...]
 
     def serves(self, model: str, api: Api) -> bool:
         """True when this backend serves ``model`` through API family ``api``."""

@@ -1,4 +1,4 @@
-"""Shared pieces of the output-length predictors: clamping and config-param readers.
+"""Shared pieces of the output-length predictors: clamping and the params reader.
 
 Invariants every predictor keeps (``hetroute.types.OutputLengthPredictor``):
 
@@ -7,17 +7,22 @@ Invariants every predictor keeps (``hetroute.types.OutputLengthPredictor``):
 - ``observe`` ignores impossible observations (negative counts) instead of raising, because it runs
   in the proxy's ``finally`` path where an exception would mask the real outcome.
 
-Param readers raise :class:`hetroute.errors.ConfigError` naming ``predictor.params.<field>``.
+Each predictor declares its parameters as a frozen dataclass (bounds in its annotations) read by
+:func:`read_params` through :mod:`hetroute.fields`: :class:`hetroute.errors.ConfigError` names
+``predictor.params.<field>``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
+from typing import TypeVar
 
 from hetroute.errors import ConfigError
+from hetroute.fields import AT_LEAST_ONE, as_int, as_list, read_dataclass
 
 PARAMS_PATH = "predictor.params"
+P = TypeVar("P")
 
 
 def clamp_prediction(value: float, max_tokens: int | None) -> int:
@@ -30,66 +35,18 @@ def clamp_prediction(value: float, max_tokens: int | None) -> int:
     return out
 
 
-def check_known(params: Mapping[str, object], known: Collection[str]) -> None:
-    """Reject parameters a predictor does not define (typos must not pass silently)."""
-    for key in params:
-        if key not in known:
-            expected = ", ".join(sorted(known)) or "none"
-            raise ConfigError(f"{PARAMS_PATH}.{key}", f"unknown parameter (expected one of: {expected})")
+def read_params(cls: type[P], params: Mapping[str, object]) -> P:
+    """A predictor's frozen params dataclass ``cls`` read from ``predictor.params``
+    (:func:`hetroute.fields.read_dataclass`): its fields are the valid parameters, with their defaults."""
+    return read_dataclass(cls, params, PARAMS_PATH, what="parameter")
 
 
-def read_float(
-    params: Mapping[str, object],
-    key: str,
-    default: float,
-    *,
-    minimum: float | None = None,
-    maximum: float | None = None,
-    exclusive_min: bool = False,
-    exclusive_max: bool = False,
-) -> float:
-    """A finite number from ``params[key]`` (``default`` when absent), range-checked."""
-    raw = params.get(key, default)
-    if isinstance(raw, bool) or not isinstance(raw, int | float) or not math.isfinite(float(raw)):
-        raise ConfigError(f"{PARAMS_PATH}.{key}", f"expected a finite number, got {raw!r}")
-    value = float(raw)
-    if minimum is not None and (value < minimum or (exclusive_min and value == minimum)):
-        op = ">" if exclusive_min else ">="
-        raise ConfigError(f"{PARAMS_PATH}.{key}", f"must be {op} {minimum}, got {value!r}")
-    if maximum is not None and (value > maximum or (exclusive_max and value == maximum)):
-        op = "<" if exclusive_max else "<="
-        raise ConfigError(f"{PARAMS_PATH}.{key}", f"must be {op} {maximum}, got {value!r}")
-    return value
-
-
-def read_int(params: Mapping[str, object], key: str, default: int, *, minimum: int = 1) -> int:
-    """An integer ``>= minimum`` from ``params[key]`` (``default`` when absent)."""
-    raw = params.get(key, default)
-    if isinstance(raw, bool) or not isinstance(raw, int):
-        raise ConfigError(f"{PARAMS_PATH}.{key}", f"expected an integer, got {raw!r}")
-    if raw < minimum:
-        raise ConfigError(f"{PARAMS_PATH}.{key}", f"must be >= {minimum}, got {raw!r}")
-    return raw
-
-
-def read_bool(params: Mapping[str, object], key: str, default: bool) -> bool:
-    """A boolean from ``params[key]`` (``default`` when absent)."""
-    raw = params.get(key, default)
-    if not isinstance(raw, bool):
-        raise ConfigError(f"{PARAMS_PATH}.{key}", f"expected true or false, got {raw!r}")
-    return raw
-
-
-def read_edges(params: Mapping[str, object], key: str, default: tuple[int, ...]) -> tuple[int, ...]:
-    """A strictly increasing list of positive integers (input-length bucket edges)."""
-    raw = params.get(key, list(default))
-    if not isinstance(raw, list | tuple) or not raw:
-        raise ConfigError(f"{PARAMS_PATH}.{key}", f"expected a non-empty list of integers, got {raw!r}")
+def read_edges(value: object, path: str) -> tuple[int, ...]:
+    """A strictly increasing, non-empty list of positive integers (input-length bucket edges)."""
     edges: list[int] = []
-    for i, item in enumerate(raw):
-        if isinstance(item, bool) or not isinstance(item, int) or item <= 0:
-            raise ConfigError(f"{PARAMS_PATH}.{key}[{i}]", f"expected a positive integer, got {item!r}")
-        if edges and item <= edges[-1]:
-            raise ConfigError(f"{PARAMS_PATH}.{key}[{i}]", "edges must be strictly increasing")
-        edges.append(item)
+    for i, item in enumerate(as_list(value, path, "integers")):
+        edge = as_int(item, f"{path}[{i}]", AT_LEAST_ONE)
+        if edges and edge <= edges[-1]:
+            raise ConfigError(f"{path}[{i}]", "edges must be strictly increasing")
+        edges.append(edge)
     return tuple(edges)

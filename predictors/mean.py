@@ -14,10 +14,22 @@ State: one running sum and count per model, updated by ``observe`` (completed re
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated
 
-from predictors.base import check_known, clamp_prediction, read_bool, read_float, read_int
+from hetroute.fields import PositiveInt, Range
+from predictors.base import clamp_prediction, read_params
 
 DEFAULT_MEAN_TOKENS = 200.0
+
+
+@dataclass(frozen=True, slots=True)
+class MeanParams:
+    """``predictor.params`` of ``mean``."""
+
+    mean_tokens: Annotated[float, Range(minimum=1)] = DEFAULT_MEAN_TOKENS
+    learn: bool = True
+    min_samples: PositiveInt = 10
 
 
 class MeanPredictor:
@@ -36,12 +48,8 @@ class MeanPredictor:
 
     @classmethod
     def from_params(cls, params: Mapping[str, object], seed: int) -> MeanPredictor:
-        check_known(params, ("mean_tokens", "learn", "min_samples"))
-        return cls(
-            read_float(params, "mean_tokens", DEFAULT_MEAN_TOKENS, minimum=1.0),
-            learn=read_bool(params, "learn", True),
-            min_samples=read_int(params, "min_samples", 10),
-        )
+        p = read_params(MeanParams, params)
+        return cls(p.mean_tokens, learn=p.learn, min_samples=p.min_samples)
 
     def current_mean(self, model: str) -> float:
         """The mean this predictor answers for ``model`` before clamping."""

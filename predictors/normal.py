@@ -13,13 +13,24 @@ Params: ``mean_tokens`` (μ, default 200: ShareGPT-like output mean, calibration
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
 
-from predictors.base import check_known, clamp_prediction, read_float
+from hetroute.fields import NonNegativeFloat, Range
+from predictors.base import clamp_prediction, read_params
 
 DEFAULT_MEAN_TOKENS = 200.0
 DEFAULT_STD_TOKENS = 150.0
+
+
+@dataclass(frozen=True, slots=True)
+class NormalParams:
+    """``predictor.params`` of ``normal``: N(μ, σ) in tokens."""
+
+    mean_tokens: Annotated[float, Range(minimum=1)] = DEFAULT_MEAN_TOKENS
+    std_tokens: NonNegativeFloat = DEFAULT_STD_TOKENS
 
 
 class NormalPredictor:
@@ -36,10 +47,8 @@ class NormalPredictor:
 
     @classmethod
     def from_params(cls, params: Mapping[str, object], seed: int) -> NormalPredictor:
-        check_known(params, ("mean_tokens", "std_tokens"))
-        mean = read_float(params, "mean_tokens", DEFAULT_MEAN_TOKENS, minimum=1.0)
-        std = read_float(params, "std_tokens", DEFAULT_STD_TOKENS, minimum=0.0)
-        return cls(mean, std, seed)
+        p = read_params(NormalParams, params)
+        return cls(p.mean_tokens, p.std_tokens, seed)
 
     def predict(self, model: str, input_tokens: int, max_tokens: int | None) -> int:
         draw = float(self._rng.normal(self.mean_tokens, self.std_tokens))

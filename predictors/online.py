@@ -23,17 +23,31 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping
-from typing import Literal
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import numpy as np
 
 from hetroute.errors import ConfigError
+from hetroute.fields import PositiveInt, Range, Reader
 from hetroute.types import FloatArray
-from predictors.base import PARAMS_PATH, check_known, clamp_prediction, read_edges, read_float, read_int
+from predictors.base import PARAMS_PATH, clamp_prediction, read_edges, read_params
 
 Statistic = Literal["quantile", "mean"]
 DEFAULT_BUCKET_EDGES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_PRIOR_TOKENS = 200.0
+
+
+@dataclass(frozen=True, slots=True)
+class OnlineParams:
+    """``predictor.params`` of ``online``; ``min_samples`` may not exceed ``window``."""
+
+    quantile: Annotated[float, Range(above=0, below=1)] = 0.5
+    statistic: Statistic = "quantile"
+    window: PositiveInt = 512
+    min_samples: PositiveInt = 20
+    bucket_edges: Annotated[tuple[int, ...], Reader(read_edges)] = DEFAULT_BUCKET_EDGES
+    prior_tokens: Annotated[float, Range(minimum=1)] = DEFAULT_PRIOR_TOKENS
 
 
 class _Window:
@@ -122,26 +136,17 @@ class OnlineQuantilePredictor:
 
     @classmethod
     def from_params(cls, params: Mapping[str, object], seed: int) -> OnlineQuantilePredictor:
-        check_known(
-            params, ("quantile", "statistic", "window", "min_samples", "bucket_edges", "prior_tokens")
-        )
-        statistic = params.get("statistic", "quantile")
-        if statistic not in ("quantile", "mean"):
-            raise ConfigError(f"{PARAMS_PATH}.statistic", f"expected quantile or mean, got {statistic!r}")
-        window = read_int(params, "window", 512)
-        min_samples = read_int(params, "min_samples", 20)
-        if min_samples > window:
-            message = f"must be <= window ({window}), got {min_samples}"
+        p = read_params(OnlineParams, params)
+        if p.min_samples > p.window:
+            message = f"must be <= window ({p.window}), got {p.min_samples}"
             raise ConfigError(f"{PARAMS_PATH}.min_samples", message)
         return cls(
-            quantile=read_float(
-                params, "quantile", 0.5, minimum=0.0, maximum=1.0, exclusive_min=True, exclusive_max=True
-            ),
-            window=window,
-            min_samples=min_samples,
-            bucket_edges=read_edges(params, "bucket_edges", DEFAULT_BUCKET_EDGES),
-            prior_tokens=read_float(params, "prior_tokens", DEFAULT_PRIOR_TOKENS, minimum=1.0),
-            statistic="mean" if statistic == "mean" else "quantile",
+            quantile=p.quantile,
+            window=p.window,
+            min_samples=p.min_samples,
+            bucket_edges=p.bucket_edges,
+            prior_tokens=p.prior_tokens,
+            statistic=p.statistic,
         )
 
     def bucket_of(self, input_tokens: int) -> int:

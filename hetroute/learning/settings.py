@@ -1,8 +1,11 @@
-"""The ``learning:`` section of the router config (validated by ``hetroute.config``)."""
+"""The ``learning:`` section of the router config; its annotations are its bounds (``hetroute.fields``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
+
+from hetroute.fields import PositiveFloat, Range
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,10 +25,10 @@ class LearningConfig:
     """
 
     enabled: bool = True
-    refit_interval_s: float = 1.0
-    half_life_s: float = 30.0
-    window: int = 512
-    prior_strength: float = 32.0
-    drift_ratio: float = 1.6
+    refit_interval_s: PositiveFloat = 1.0
+    half_life_s: PositiveFloat = 30.0
+    window: Annotated[int, Range(minimum=8)] = 512
+    prior_strength: PositiveFloat = 32.0
+    drift_ratio: Annotated[float, Range(above=1)] = 1.6
     state_dir: str | None = None
-    save_interval_s: float = 60.0
+    save_interval_s: PositiveFloat = 60.0

@@ -50,7 +50,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from hetroute.policies.base import PolicyContext
-from hetroute.policies.workload_minmax import MinMaxPolicy, build_minmax
+from hetroute.policies.workload_minmax import MinMaxParams, MinMaxPolicy, build_minmax
 
 SESSION_SLACK = 0.1
 """A session stays on its last backend while that backend's min-max score is within 10 % of the best."""
@@ -58,15 +58,12 @@ SESSION_SLACK = 0.1
 
 def from_config(params: Mapping[str, object], ctx: PolicyContext) -> MinMaxPolicy:
     """``balanced_minmax``: min-max of predicted finish time (drain time with a latency floor)."""
-    return build_minmax(
-        "balanced_minmax",
-        params,
-        ctx,
+    defaults = MinMaxParams(
         theta=0.0,
-        overflow_only=True,
         latency_floor=True,
         prefill_queue=True,
         ttft_weight=8.0,
         prefix=True,
         session_slack=SESSION_SLACK,
     )
+    return build_minmax("balanced_minmax", params, ctx, defaults, overflow_only=True)

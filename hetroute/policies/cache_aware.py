@@ -21,15 +21,28 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
 
-from hetroute.policies.base import PolicyContext, check_known, read_float, read_int, seeded_choice
+from hetroute.fields import NON_NEGATIVE, UNIT, Range
+from hetroute.policies.base import PolicyContext, read_params, seeded_choice, seeded_rng
 from hetroute.types import ClusterSnapshot, FloatArray, IntArray, RequestFeatures, RoutingDecision
 
 CACHE_THRESHOLD = 0.3
 BALANCE_ABS_THRESHOLD = 64.0
 BALANCE_REL_THRESHOLD = 1.5
+
+
+@dataclass(frozen=True, slots=True)
+class CacheAwareParams:
+    """``policy.params`` of ``cache_aware``; ``seed`` None: the router's seed."""
+
+    cache_threshold: Annotated[float, UNIT] = CACHE_THRESHOLD
+    balance_abs_threshold: Annotated[float, NON_NEGATIVE] = BALANCE_ABS_THRESHOLD
+    balance_rel_threshold: Annotated[float, Range(minimum=1)] = BALANCE_REL_THRESHOLD
+    seed: int | None = None
 
 
 class CacheAware:
@@ -52,18 +65,12 @@ class CacheAware:
 
     @classmethod
     def from_config(cls, params: Mapping[str, object], ctx: PolicyContext) -> CacheAware:
-        check_known(
-            params, ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold", "seed"), cls.name
-        )
+        p = read_params(CacheAwareParams, params, cls.name)
         return cls(
-            random.Random(read_int(params, "seed", ctx.seed)),
-            cache_threshold=read_float(params, "cache_threshold", CACHE_THRESHOLD, minimum=0.0, maximum=1.0),
-            balance_abs_threshold=read_float(
-                params, "balance_abs_threshold", BALANCE_ABS_THRESHOLD, minimum=0.0
-            ),
-            balance_rel_threshold=read_float(
-                params, "balance_rel_threshold", BALANCE_REL_THRESHOLD, minimum=1.0
-            ),
+            seeded_rng(p.seed, ctx),
+            cache_threshold=p.cache_threshold,
+            balance_abs_threshold=p.balance_abs_threshold,
+            balance_rel_threshold=p.balance_rel_threshold,
         )
 
     def _least_loaded(self, candidates: IntArray, load: FloatArray) -> int:

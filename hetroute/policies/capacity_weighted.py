@@ -31,12 +31,25 @@ Params: ``high_water_mark`` (0-1, default 0.9), ``expected_output_ratio`` (0-1, 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
 
+from hetroute.fields import NON_NEGATIVE, UNIT, Range
 from hetroute.policies.backend_model import BackendModels
-from hetroute.policies.base import PolicyContext, check_known, read_float
+from hetroute.policies.base import PolicyContext, read_params
 from hetroute.types import ClusterSnapshot, FloatArray, IntArray, RequestFeatures, RoutingDecision
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityWeightedParams:
+    """``policy.params`` of ``capacity_weighted``."""
+
+    high_water_mark: Annotated[float, Range(minimum=0.01, maximum=1)] = 0.9
+    expected_output_ratio: Annotated[float, UNIT] = 0.6
+    reference_input_tokens: Annotated[float, NON_NEGATIVE] = 230.0
+    reference_output_tokens: Annotated[float, Range(minimum=1)] = 200.0
 
 
 class CapacityWeighted:
@@ -62,17 +75,13 @@ class CapacityWeighted:
 
     @classmethod
     def from_config(cls, params: Mapping[str, object], ctx: PolicyContext) -> CapacityWeighted:
-        check_known(
-            params,
-            ("high_water_mark", "expected_output_ratio", "reference_input_tokens", "reference_output_tokens"),
-            cls.name,
-        )
+        p = read_params(CapacityWeightedParams, params, cls.name)
         return cls(
             ctx.backend_models or BackendModels.from_specs(ctx.backends),
-            high_water_mark=read_float(params, "high_water_mark", 0.9, minimum=0.01, maximum=1.0),
-            expected_output_ratio=read_float(params, "expected_output_ratio", 0.6, minimum=0.0, maximum=1.0),
-            reference_input_tokens=read_float(params, "reference_input_tokens", 230.0, minimum=0.0),
-            reference_output_tokens=read_float(params, "reference_output_tokens", 200.0, minimum=1.0),
+            high_water_mark=p.high_water_mark,
+            expected_output_ratio=p.expected_output_ratio,
+            reference_input_tokens=p.reference_input_tokens,
+            reference_output_tokens=p.reference_output_tokens,
         )
 
     def rates_tokens_s(self, snapshot: ClusterSnapshot, candidates: IntArray) -> FloatArray:

@@ -28,11 +28,25 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
 
-from hetroute.policies.base import PolicyContext, check_known, read_backend_weights, read_float, read_int
+from hetroute.fields import NON_NEGATIVE, Range
+from hetroute.policies.base import PolicyContext, read_backend_weights, read_params, seeded_rng
 from hetroute.types import ClusterSnapshot, FloatArray, IntArray, RequestFeatures, RoutingDecision
+
+
+@dataclass(frozen=True, slots=True)
+class LeastOutstandingParams:
+    """``policy.params`` of ``least_outstanding``; ``weights`` is checked against the backends
+    (:func:`read_backend_weights`), ``seed`` None: the router's seed."""
+
+    choice_count: Annotated[int, Range(minimum=2)] = 2
+    bias: Annotated[float, NON_NEGATIVE] = 1.0
+    weights: object = None
+    seed: int | None = None
 
 
 class LeastOutstanding:
@@ -51,12 +65,12 @@ class LeastOutstanding:
 
     @classmethod
     def from_config(cls, params: Mapping[str, object], ctx: PolicyContext) -> LeastOutstanding:
-        check_known(params, ("choice_count", "bias", "weights", "seed"), cls.name)
+        p = read_params(LeastOutstandingParams, params, cls.name)
         return cls(
-            read_backend_weights(params, ctx),
-            random.Random(read_int(params, "seed", ctx.seed)),
-            choice_count=read_int(params, "choice_count", 2, minimum=2),
-            bias=read_float(params, "bias", 1.0, minimum=0.0),
+            read_backend_weights(p.weights, ctx),
+            seeded_rng(p.seed, ctx),
+            choice_count=p.choice_count,
+            bias=p.bias,
         )
 
     def choose(

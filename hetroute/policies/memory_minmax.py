@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from hetroute.policies.base import PolicyContext
-from hetroute.policies.workload_minmax import MinMaxPolicy, build_minmax
+from hetroute.policies.workload_minmax import MinMaxParams, MinMaxPolicy, build_minmax
 
 
 def from_config(params: Mapping[str, object], ctx: PolicyContext) -> MinMaxPolicy:
     """``memory_minmax``: the min-max mapper with T ≡ 1 and θ default 2."""
-    return build_minmax("memory_minmax", params, ctx, theta=2.0, unit_time=True)
+    return build_minmax("memory_minmax", params, ctx, MinMaxParams(theta=2.0), unit_time=True)

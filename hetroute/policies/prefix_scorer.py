@@ -19,11 +19,23 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
-from hetroute.policies.base import PolicyContext, check_known, read_float, read_int, seeded_choice
+from hetroute.fields import NonNegativeFloat
+from hetroute.policies.base import PolicyContext, read_params, seeded_choice, seeded_rng
 from hetroute.types import ClusterSnapshot, FloatArray, IntArray, RequestFeatures, RoutingDecision
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixScorerParams:
+    """``policy.params`` of ``prefix_scorer``; ``seed`` None: the router's seed."""
+
+    queue_weight: NonNegativeFloat = 2.0
+    kv_weight: NonNegativeFloat = 2.0
+    prefix_weight: NonNegativeFloat = 3.0
+    seed: int | None = None
 
 
 class PrefixScorer:
@@ -46,12 +58,12 @@ class PrefixScorer:
 
     @classmethod
     def from_config(cls, params: Mapping[str, object], ctx: PolicyContext) -> PrefixScorer:
-        check_known(params, ("queue_weight", "kv_weight", "prefix_weight", "seed"), cls.name)
+        p = read_params(PrefixScorerParams, params, cls.name)
         return cls(
-            random.Random(read_int(params, "seed", ctx.seed)),
-            queue_weight=read_float(params, "queue_weight", 2.0, minimum=0.0),
-            kv_weight=read_float(params, "kv_weight", 2.0, minimum=0.0),
-            prefix_weight=read_float(params, "prefix_weight", 3.0, minimum=0.0),
+            seeded_rng(p.seed, ctx),
+            queue_weight=p.queue_weight,
+            kv_weight=p.kv_weight,
+            prefix_weight=p.prefix_weight,
         )
 
     def scores(

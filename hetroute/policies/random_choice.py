@@ -7,9 +7,17 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-from hetroute.policies.base import PolicyContext, check_known, read_int, seeded_choice
+from hetroute.policies.base import PolicyContext, read_params, seeded_choice, seeded_rng
 from hetroute.types import ClusterSnapshot, IntArray, RequestFeatures, RoutingDecision
+
+
+@dataclass(frozen=True, slots=True)
+class RandomParams:
+    """``policy.params`` of ``random``; ``seed`` None: the router's seed."""
+
+    seed: int | None = None
 
 
 class RandomChoice:
@@ -22,8 +30,7 @@ class RandomChoice:
 
     @classmethod
     def from_config(cls, params: Mapping[str, object], ctx: PolicyContext) -> RandomChoice:
-        check_known(params, ("seed",), cls.name)
-        return cls(random.Random(read_int(params, "seed", ctx.seed)))
+        return cls(seeded_rng(read_params(RandomParams, params, cls.name).seed, ctx))
 
     def choose(
         self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray

@@ -9,9 +9,15 @@ This counter is the only state a classic policy keeps (house style §8).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-from hetroute.policies.base import PolicyContext, check_known
+from hetroute.policies.base import PolicyContext, read_params
 from hetroute.types import ClusterSnapshot, IntArray, RequestFeatures, RoutingDecision
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRobinParams:
+    """``policy.params`` of ``round_robin``: none."""
 
 
 class RoundRobin:
@@ -24,7 +30,7 @@ class RoundRobin:
 
     @classmethod
     def from_config(cls, params: Mapping[str, object], ctx: PolicyContext) -> RoundRobin:
-        check_known(params, (), cls.name)
+        read_params(RoundRobinParams, params, cls.name)
         return cls()
 
     def choose(

@@ -14,13 +14,22 @@ from __future__ import annotations
 import bisect
 import hashlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-from hetroute.policies.base import PolicyContext, check_known, read_int
+from hetroute.fields import PositiveInt
+from hetroute.policies.base import PolicyContext, read_params
 from hetroute.types import ClusterSnapshot, IntArray, RequestFeatures, RoutingDecision
 
 
 def _point(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionHashParams:
+    """``policy.params`` of ``session_hash``: points per backend on the ring."""
+
+    virtual_nodes: PositiveInt = 100
 
 
 class SessionHash:
@@ -37,8 +46,8 @@ class SessionHash:
 
     @classmethod
     def from_config(cls, params: Mapping[str, object], ctx: PolicyContext) -> SessionHash:
-        check_known(params, ("virtual_nodes",), cls.name)
-        return cls(tuple(b.name for b in ctx.backends), read_int(params, "virtual_nodes", 100))
+        p = read_params(SessionHashParams, params, cls.name)
+        return cls(tuple(b.name for b in ctx.backends), p.virtual_nodes)
 
     def choose(
         self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray

@@ -11,10 +11,18 @@ instance").
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from hetroute.errors import ConfigError
-from hetroute.policies.base import PARAMS_PATH, PolicyContext, check_known
+from hetroute.policies.base import PARAMS_PATH, PolicyContext, read_params
 from hetroute.types import ClusterSnapshot, IntArray, RequestFeatures, RoutingDecision
+
+
+@dataclass(frozen=True, slots=True)
+class SingleParams:
+    """``policy.params`` of ``single``: the backend's name (None: the first backend)."""
+
+    backend: str | None = None
 
 
 class Single:
@@ -28,12 +36,12 @@ class Single:
 
     @classmethod
     def from_config(cls, params: Mapping[str, object], ctx: PolicyContext) -> Single:
-        check_known(params, ("backend",), cls.name)
+        raw = read_params(SingleParams, params, cls.name).backend
         names = [b.name for b in ctx.backends]
         if not names:
             raise ConfigError("backends", "policy 'single' needs at least one backend")
-        raw = params.get("backend", names[0])
-        if not isinstance(raw, str) or raw not in names:
+        raw = names[0] if raw is None else raw
+        if raw not in names:
             raise ConfigError(f"{PARAMS_PATH}.backend", f"expected one of {', '.join(names)}, got {raw!r}")
         return cls(names.index(raw), raw)
 

@@ -13,11 +13,19 @@ named use their configured ``weight`` (default 1). The paper's WRR 4:1 is
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
-from hetroute.policies.base import PolicyContext, check_known, read_backend_weights
+from hetroute.policies.base import PolicyContext, read_backend_weights, read_params
 from hetroute.types import ClusterSnapshot, FloatArray, IntArray, RequestFeatures, RoutingDecision
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedRoundRobinParams:
+    """``policy.params`` of ``weighted_round_robin``; ``weights`` is checked against the backends."""
+
+    weights: object = None
 
 
 class WeightedRoundRobin:
@@ -31,8 +39,7 @@ class WeightedRoundRobin:
 
     @classmethod
     def from_config(cls, params: Mapping[str, object], ctx: PolicyContext) -> WeightedRoundRobin:
-        check_known(params, ("weights",), cls.name)
-        return cls(read_backend_weights(params, ctx))
+        return cls(read_backend_weights(read_params(WeightedRoundRobinParams, params, cls.name).weights, ctx))
 
     def choose(
         self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray

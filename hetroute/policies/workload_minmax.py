@@ -40,13 +40,14 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping
-from typing import Literal, cast
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import numpy as np
 
-from hetroute.errors import ConfigError
+from hetroute.fields import UNIT, NonNegativeInt, PositiveInt, Range
 from hetroute.policies.backend_model import BackendModels
-from hetroute.policies.base import PARAMS_PATH, PolicyContext, check_known, read_float, read_int
+from hetroute.policies.base import PolicyContext, read_params, seeded_rng
 from hetroute.types import ClusterSnapshot, FloatArray, IntArray, RequestFeatures, RoutingDecision
 
 KvSignal = Literal["ledger", "paper", "engine", "max"]
@@ -63,20 +64,27 @@ MAX_EXPONENT = 30.0
 """Cap on θ·kvusage: e^30 ≈ 1e13 keeps loads finite and releases exact enough in float64."""
 
 
-def read_choice(params: Mapping[str, object], key: str, default: str, choices: tuple[str, ...]) -> str:
-    """A string parameter restricted to ``choices``."""
-    value = params.get(key, default)
-    if not isinstance(value, str) or value not in choices:
-        raise ConfigError(f"{PARAMS_PATH}.{key}", f"expected one of {', '.join(choices)}, got {value!r}")
-    return value
+@dataclass(frozen=True, slots=True)
+class MinMaxParams:
+    """``policy.params`` of the min-max family; each policy gives its own defaults (``build_minmax``), and
+    the unit-time variant (``memory_minmax``) takes none of :data:`TIME_ONLY_PARAMS`. ``seed`` None: the
+    router's seed."""
+
+    theta: Annotated[float, Range(minimum=0, maximum=100)] = 2.0
+    kv_signal: KvSignal = "ledger"
+    batch_kv: BatchKv = "full"
+    latency_floor: bool = False
+    prefill_queue: bool = False
+    ttft_weight: Annotated[float, Range(minimum=0, maximum=1000)] = 0.0
+    explore_share: Annotated[float, UNIT] = EXPLORE_SHARE
+    explore_min_samples: NonNegativeInt = EXPLORE_MIN_SAMPLES
+    explore_max_output_tokens: PositiveInt = EXPLORE_MAX_OUTPUT_TOKENS
+    prefix: bool = False
+    session_slack: Annotated[float, Range(minimum=0, maximum=10)] = 0.0
+    seed: int | None = None
 
 
-def read_bool(params: Mapping[str, object], key: str, default: bool) -> bool:
-    """A boolean parameter."""
-    value = params.get(key, default)
-    if not isinstance(value, bool):
-        raise ConfigError(f"{PARAMS_PATH}.{key}", f"expected true or false, got {value!r}")
-    return value
+TIME_ONLY_PARAMS = ("batch_kv", "latency_floor", "prefill_queue", "ttft_weight", "prefix")
 
 
 def kv_usage(snapshot: ClusterSnapshot, idx: IntArray, cap: FloatArray, signal: KvSignal) -> FloatArray:
@@ -333,53 +341,33 @@ def build_minmax(
     name: str,
     params: Mapping[str, object],
     ctx: PolicyContext,
+    defaults: MinMaxParams,
     *,
-    theta: float,
     unit_time: bool = False,
-    kv_signal: KvSignal = "ledger",
-    batch_kv: BatchKv = "full",
     overflow_only: bool = False,
-    latency_floor: bool = False,
-    prefill_queue: bool = False,
-    ttft_weight: float = 0.0,
-    prefix: bool = False,
-    session_slack: float = 0.0,
 ) -> MinMaxPolicy:
-    """Validate ``params`` (overriding the given defaults) and build a :class:`MinMaxPolicy`."""
-    allowed = (
-        "theta",
-        "kv_signal",
-        "seed",
-        "explore_share",
-        "explore_min_samples",
-        "explore_max_output_tokens",
-        "session_slack",
-    ) + (() if unit_time else ("batch_kv", "latency_floor", "prefill_queue", "ttft_weight", "prefix"))
-    check_known(params, allowed, name)
-    signal = read_choice(params, "kv_signal", kv_signal, KV_SIGNALS)
-    batch = read_choice(params, "batch_kv", batch_kv, BATCH_KV)
+    """Validate ``params`` (overriding ``defaults``) and build a :class:`MinMaxPolicy`."""
+    p = read_params(MinMaxParams, params, name, base=defaults, exclude=TIME_ONLY_PARAMS if unit_time else ())
     return MinMaxPolicy(
         name,
         ctx.backend_models or BackendModels.from_specs(ctx.backends),
-        random.Random(read_int(params, "seed", ctx.seed)),
-        theta=read_float(params, "theta", theta, minimum=0.0, maximum=100.0),
+        seeded_rng(p.seed, ctx),
+        theta=p.theta,
         unit_time=unit_time,
-        kv_signal=cast(KvSignal, signal),
-        batch_kv=cast(BatchKv, batch),
+        kv_signal=p.kv_signal,
+        batch_kv=p.batch_kv,
         overflow_only=overflow_only,
-        latency_floor=read_bool(params, "latency_floor", latency_floor),
-        prefill_queue=read_bool(params, "prefill_queue", prefill_queue),
-        ttft_weight=read_float(params, "ttft_weight", ttft_weight, minimum=0.0, maximum=1000.0),
-        explore_share=read_float(params, "explore_share", EXPLORE_SHARE, minimum=0.0, maximum=1.0),
-        explore_min_samples=read_int(params, "explore_min_samples", EXPLORE_MIN_SAMPLES, minimum=0),
-        explore_max_output_tokens=read_int(
-            params, "explore_max_output_tokens", EXPLORE_MAX_OUTPUT_TOKENS, minimum=1
-        ),
-        prefix=read_bool(params, "prefix", prefix) and not unit_time,
-        session_slack=read_float(params, "session_slack", session_slack, minimum=0.0, maximum=10.0),
+        latency_floor=p.latency_floor,
+        prefill_queue=p.prefill_queue,
+        ttft_weight=p.ttft_weight,
+        explore_share=p.explore_share,
+        explore_min_samples=p.explore_min_samples,
+        explore_max_output_tokens=p.explore_max_output_tokens,
+        prefix=p.prefix and not unit_time,
+        session_slack=p.session_slack,
     )
 
 
 def from_config(params: Mapping[str, object], ctx: PolicyContext) -> MinMaxPolicy:
     """``workload_minmax``: the paper's formula, θ default 2."""
-    return build_minmax("workload_minmax", params, ctx, theta=2.0)
+    return build_minmax("workload_minmax", params, ctx, MinMaxParams(theta=2.0))

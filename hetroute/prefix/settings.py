@@ -1,11 +1,21 @@
-"""The ``prefix:`` section of the router config (validated by ``hetroute.config``)."""
+"""The ``prefix:`` section of the router config; its annotations are its bounds (``hetroute.fields``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated, Any
 
+from hetroute.errors import ConfigError
+from hetroute.fields import PositiveFloat, PositiveInt, Reader
 from hetroute.prefix.index import DEFAULT_MAX_CHUNKS, DEFAULT_TTL_S
 from hetroute.prefix.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_TTL_S
+
+
+def _header_name(value: Any, path: str) -> str:
+    """A request header name, lower-cased; ``""`` (session affinity off) is allowed."""
+    if not isinstance(value, str) or any(c.isspace() or c == ":" for c in value):
+        raise ConfigError(path, f"not a header name: {value!r}")
+    return value.lower()
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,8 +32,8 @@ class PrefixConfig:
     """
 
     enabled: bool = True
-    ttl_s: float = DEFAULT_TTL_S
-    max_chunks: int = DEFAULT_MAX_CHUNKS
-    session_header: str = "x-session-id"
-    session_ttl_s: float = DEFAULT_SESSION_TTL_S
-    max_sessions: int = DEFAULT_MAX_SESSIONS
+    ttl_s: PositiveFloat = DEFAULT_TTL_S
+    max_chunks: PositiveInt = DEFAULT_MAX_CHUNKS
+    session_header: Annotated[str, Reader(_header_name)] = "x-session-id"
+    session_ttl_s: PositiveFloat = DEFAULT_SESSION_TTL_S
+    max_sessions: PositiveInt = DEFAULT_MAX_SESSIONS

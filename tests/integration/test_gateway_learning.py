@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,6 @@ async def test_served_model_aliases_and_vllm_root_find_the_catalog_prior(emulate
     assert specs[1].models == (HOUSE,) and specs[1].labels["model"] == "meta-llama/Meta-Llama-3-8B-Instruct"
     from hetroute.policies.backend_model import BackendModels
 
-    gpu = [s.__class__(**{**{f: getattr(s, f) for f in s.__slots__}, "gpu": "V100-SXM2-32GB"}) for s in specs]
+    gpu = [dataclasses.replace(s, gpu="V100-SXM2-32GB") for s in specs]
     models = BackendModels.from_specs(gpu)
     assert [m.latency_source.split(" (")[0] for m in models.models] == ["roofline prior", "roofline prior"]
