@@ -33,7 +33,7 @@ import types
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Final, Literal, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 from urllib.parse import urlsplit
 
 import yaml
@@ -204,65 +204,71 @@ def field_value(data: Mapping[str, Any], key: str, path: str, default: Any = MIS
     return default
 
 
+def keyed(
+    data: Mapping[str, Any], key: str, path: str, read: Callable[[Any, str], T], default: Any = MISSING
+) -> T:
+    """``read(data[key], "<path>.<key>")``; ``default`` (unchecked) when absent, ``missing`` when required."""
+    if key not in data and default is not MISSING:
+        return cast(T, default)
+    return read(field_value(data, key, path), at(path, key))
+
+
+def optional(data: Mapping[str, Any], key: str, path: str, read: Callable[[Any, str], T]) -> T | None:
+    """``read(data[key], "<path>.<key>")``, None when the key is absent or null."""
+    value = data.get(key)
+    return None if value is None else read(value, at(path, key))
+
+
 def number(
     data: Mapping[str, Any], key: str, path: str, default: Any = MISSING, bounds: Range = ANY
 ) -> float:
     """:func:`as_number` of ``data[key]`` (``default`` when absent, unchecked)."""
-    if key not in data and default is not MISSING:
-        return float(default)
-    return as_number(field_value(data, key, path), at(path, key), bounds)
+    return float(keyed(data, key, path, lambda v, p: as_number(v, p, bounds), default))
 
 
 def opt_number(data: Mapping[str, Any], key: str, path: str, bounds: Range = ANY) -> float | None:
     """:func:`number`, None when absent or null."""
-    value = data.get(key)
-    return None if value is None else as_number(value, at(path, key), bounds)
+    return optional(data, key, path, lambda v, p: as_number(v, p, bounds))
 
 
 def integer(data: Mapping[str, Any], key: str, path: str, default: Any = MISSING, bounds: Range = ANY) -> int:
     """:func:`as_int` of ``data[key]`` (``default`` when absent, unchecked)."""
-    if key not in data and default is not MISSING:
-        return int(default)
-    return as_int(field_value(data, key, path), at(path, key), bounds)
+    return int(keyed(data, key, path, lambda v, p: as_int(v, p, bounds), default))
 
 
 def opt_integer(data: Mapping[str, Any], key: str, path: str, bounds: Range = ANY) -> int | None:
     """:func:`integer`, None when absent or null."""
-    value = data.get(key)
-    return None if value is None else as_int(value, at(path, key), bounds)
+    return optional(data, key, path, lambda v, p: as_int(v, p, bounds))
 
 
 def string(data: Mapping[str, Any], key: str, path: str, default: Any = MISSING) -> str:
     """:func:`as_str` of ``data[key]`` (``default`` when absent, unchecked)."""
-    if key not in data and default is not MISSING:
-        return str(default)
-    return as_str(field_value(data, key, path), at(path, key))
+    return str(keyed(data, key, path, as_str, default))
 
 
 def opt_string(data: Mapping[str, Any], key: str, path: str) -> str | None:
     """:func:`string`, None when absent or null."""
-    value = data.get(key)
-    return None if value is None else as_str(value, at(path, key))
+    return optional(data, key, path, as_str)
 
 
 def boolean(data: Mapping[str, Any], key: str, path: str, default: Any = MISSING) -> bool:
     """:func:`as_bool` of ``data[key]`` (``default`` when absent)."""
-    return as_bool(field_value(data, key, path, default), at(path, key))
+    return bool(keyed(data, key, path, as_bool, default))
 
 
 def choice(
     data: Mapping[str, Any], key: str, path: str, choices: Collection[str], default: Any = MISSING
 ) -> str:
     """:func:`as_choice` of ``data[key]`` (``default`` when absent)."""
-    return as_choice(field_value(data, key, path, default), at(path, key), choices)
+    return str(keyed(data, key, path, lambda v, p: as_choice(v, p, choices), default))
 
 
 # ---------------------------------------------------------------- whole dataclasses
 
 
 def read_value(hint: Any, value: Any, path: str, bounds: Range = ANY) -> Any:
-    """``value`` read as the type ``hint`` (bool, int, float, str, a Literal, ``X | None``, ``object``,
-    or ``Annotated`` with a :class:`Range` or :class:`Reader`)."""
+    """``value`` read as the type ``hint`` (bool, int, float, str, a Literal, a dataclass, ``X | None``,
+    ``object``, or ``Annotated`` with a :class:`Range` or :class:`Reader`)."""
     origin = get_origin(hint)
     if origin is Annotated:
         base, *extras = get_args(hint)
@@ -279,6 +285,8 @@ def read_value(hint: Any, value: Any, path: str, bounds: Range = ANY) -> Any:
             return read_value(options[0], value, path, bounds)
     if origin is Literal:
         return as_choice(value, path, [str(a) for a in get_args(hint)])
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return read_dataclass(hint, value, path)
     readers: dict[Any, Callable[[Any, str], Any]] = {
         bool: as_bool,
         int: lambda v, p: as_int(v, p, bounds),

@@ -9,7 +9,8 @@ A profile holds the eight parameters of the paper's latency model for one
 
 ``profiling/`` writes exactly this schema (``dump_profile``); the router, the simulator
 and ``tune-deploy`` read it with ``load_profile``. Nothing here imports fitting code.
-Every loading error names the file and the field.
+Every loading error is a :class:`ProfileError` naming the file and the field (read through
+:mod:`hetroute.fields`; the dataclasses' annotations are their bounds).
 """
 
 from __future__ import annotations
@@ -22,11 +23,36 @@ from typing import Any
 
 import yaml
 
-from hetroute.errors import HetrouteError
+from hetroute.errors import ConfigError, HetrouteError
+from hetroute.fields import (
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    Range,
+    as_mapping,
+    check_keys,
+    choice,
+    file_errors,
+    load_yaml,
+    number,
+    read_dataclass,
+    string,
+)
 
 SCHEMA_VERSION = 1
 PARAM_NAMES = ("p1", "p2", "p3", "p4", "p5", "p6", "p7", "p8")
 PROFILE_SOURCES = ("profiled", "roofline-prior", "live")
+_ROOT_KEYS = (
+    "schema_version",
+    "source",
+    "labels",
+    "params",
+    "stderr",
+    "kv_capacity",
+    "limits",
+    "quality",
+    "sweep",
+)
 """``profiled``: ``hetroute profile`` against a live engine; ``roofline-prior``: derived from the catalogs;
 ``live``: learned from served traffic by the router (``hetroute serve --state-dir``)."""
 
@@ -77,20 +103,20 @@ class LatencyParams:
 class FitQuality:
     """Held-out fit quality per phase: MAPE as a fraction (0.05 = 5 %) and R²."""
 
-    prefill_mape: float
+    prefill_mape: NonNegativeFloat
     prefill_r2: float
-    decode_mape: float
+    decode_mape: NonNegativeFloat
     decode_r2: float
-    heldout_batches: int = 0
+    heldout_batches: NonNegativeInt = 0
 
 
 @dataclass(frozen=True, slots=True)
 class EngineLimits:
     """Engine limits discovered while profiling (None when unknown)."""
 
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
+    max_num_seqs: PositiveInt | None = None
+    max_num_batched_tokens: PositiveInt | None = None
+    max_model_len: PositiveInt | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,91 +155,52 @@ class LatencyProfile:
         return max(total, 0.0) / b
 
 
-def _num(source: str, data: Mapping[str, Any], key: str, path: str, *, minimum: float | None = None) -> float:
-    if key not in data:
-        raise ProfileError(source, f"{path}{key}", "missing")
-    value = data[key]
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(float(value)):
-        raise ProfileError(source, f"{path}{key}", f"expected a finite number, got {value!r}")
-    if minimum is not None and float(value) < minimum:
-        raise ProfileError(source, f"{path}{key}", f"must be >= {minimum}, got {value!r}")
-    return float(value)
+def _params(data: Any, path: str) -> LatencyParams:
+    return read_dataclass(LatencyParams, as_mapping(data, path, none_ok=False), path)
 
 
-def _opt_int(source: str, data: Mapping[str, Any], key: str, path: str) -> int | None:
-    value = data.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ProfileError(source, f"{path}{key}", f"expected a positive integer or null, got {value!r}")
-    return value
+def _kv_capacity(raw: Any) -> tuple[int, str]:
+    kv = as_mapping(raw, "kv_capacity", none_ok=False)
+    check_keys(kv, ("tokens", "source"), "kv_capacity")
+    cap = number(kv, "tokens", "kv_capacity", bounds=Range(minimum=1))
+    if cap != int(cap):
+        raise ConfigError("kv_capacity.tokens", f"expected an integer, got {cap!r}")
+    return int(cap), string(kv, "source", "kv_capacity")
 
 
-def _mapping(source: str, value: Any, path: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ProfileError(source, path, f"expected a mapping, got {type(value).__name__}")
-    return value
+def _root(data: Any) -> Mapping[str, Any]:
+    root = as_mapping(data, "<root>", none_ok=False)
+    version = root.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ConfigError(
+            "schema_version", f"unsupported schema version {version!r} (this hetroute reads {SCHEMA_VERSION})"
+        )
+    check_keys(root, _ROOT_KEYS, "")
+    return root
 
 
-def _params(source: str, data: Any, path: str) -> LatencyParams:
-    m = _mapping(source, data, path)
-    return LatencyParams(*(_num(source, m, k, f"{path}.") for k in PARAM_NAMES))
+def _profile(root: Mapping[str, Any]) -> LatencyProfile:
+    cap, kv_source = _kv_capacity(root.get("kv_capacity"))
+    stderr = root.get("stderr")
+    quality = root.get("quality")
+    labels = as_mapping(root.get("labels"), "labels")
+    return LatencyProfile(
+        params=_params(root.get("params"), "params"),
+        kv_capacity_tokens=cap,
+        kv_capacity_source=kv_source,
+        limits=read_dataclass(EngineLimits, root.get("limits"), "limits"),
+        stderr=None if stderr is None else _params(stderr, "stderr"),
+        quality=None if quality is None else read_dataclass(FitQuality, quality, "quality"),
+        labels={str(k): str(v) for k, v in labels.items() if v is not None},
+        sweep=dict(as_mapping(root.get("sweep"), "sweep")),
+        source=choice(root, "source", "", PROFILE_SOURCES, "profiled"),
+    )
 
 
 def profile_from_dict(data: Any, source: str = "<profile>") -> LatencyProfile:
     """Validate a decoded artifact into a :class:`LatencyProfile` (ProfileError naming the field)."""
-    root = _mapping(source, data, "<root>")
-    version = root.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise ProfileError(
-            source,
-            "schema_version",
-            f"unsupported schema version {version!r} (this hetroute reads {SCHEMA_VERSION})",
-        )
-    params = _params(source, root.get("params"), "params")
-    stderr = _params(source, root["stderr"], "stderr") if root.get("stderr") is not None else None
-    kv = _mapping(source, root.get("kv_capacity"), "kv_capacity")
-    cap = _num(source, kv, "tokens", "kv_capacity.", minimum=1)
-    if cap != int(cap):
-        raise ProfileError(source, "kv_capacity.tokens", f"expected an integer, got {cap!r}")
-    kv_source = kv.get("source")
-    if not isinstance(kv_source, str) or not kv_source:
-        raise ProfileError(source, "kv_capacity.source", "expected a non-empty string")
-    limits_raw = _mapping(source, root.get("limits", {}) or {}, "limits")
-    limits = EngineLimits(
-        max_num_seqs=_opt_int(source, limits_raw, "max_num_seqs", "limits."),
-        max_num_batched_tokens=_opt_int(source, limits_raw, "max_num_batched_tokens", "limits."),
-        max_model_len=_opt_int(source, limits_raw, "max_model_len", "limits."),
-    )
-    quality = None
-    if root.get("quality") is not None:
-        q = _mapping(source, root["quality"], "quality")
-        quality = FitQuality(
-            prefill_mape=_num(source, q, "prefill_mape", "quality.", minimum=0),
-            prefill_r2=_num(source, q, "prefill_r2", "quality."),
-            decode_mape=_num(source, q, "decode_mape", "quality.", minimum=0),
-            decode_r2=_num(source, q, "decode_r2", "quality."),
-            heldout_batches=int(_num(source, q, "heldout_batches", "quality.", minimum=0))
-            if "heldout_batches" in q
-            else 0,
-        )
-    labels_raw = _mapping(source, root.get("labels", {}) or {}, "labels")
-    labels = {str(k): str(v) for k, v in labels_raw.items() if v is not None}
-    sweep = dict(_mapping(source, root.get("sweep", {}) or {}, "sweep"))
-    src = root.get("source", "profiled")
-    if src not in PROFILE_SOURCES:
-        raise ProfileError(source, "source", f"expected one of {', '.join(PROFILE_SOURCES)}, got {src!r}")
-    return LatencyProfile(
-        params=params,
-        kv_capacity_tokens=int(cap),
-        kv_capacity_source=kv_source,
-        limits=limits,
-        stderr=stderr,
-        quality=quality,
-        labels=labels,
-        sweep=sweep,
-        source=str(src),
-    )
+    with file_errors(source, ProfileError):
+        return _profile(_root(data))
 
 
 def profile_to_dict(profile: LatencyProfile) -> dict[str, Any]:
@@ -234,16 +221,9 @@ def profile_to_dict(profile: LatencyProfile) -> dict[str, Any]:
 
 def load_profile(path: str | Path) -> LatencyProfile:
     """Read and validate a YAML profile artifact; errors name the file and the field."""
-    source = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ProfileError(source, "<file>", f"cannot read: {exc.strerror or exc}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ProfileError(source, "<file>", f"not valid YAML: {exc}") from exc
-    return profile_from_dict(data, source)
+    with file_errors(str(path), ProfileError):
+        data = load_yaml(path)
+    return profile_from_dict(data, str(path))
 
 
 def dump_profile(profile: LatencyProfile) -> str:

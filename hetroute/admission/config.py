@@ -1,4 +1,5 @@
-"""The ``admission:`` config section: typed, validated at load, errors name the field.
+"""The ``admission:`` config section: typed, validated at load through :mod:`hetroute.fields`, errors name
+the field.
 
 Owns the schema of the router-side queue (docs/configuration.md, "admission"). Invariants:
 
@@ -15,9 +16,23 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from hetroute.errors import ConfigError
+from hetroute.fields import (
+    FRACTION,
+    POSITIVE,
+    NonNegativeInt,
+    PositiveFloat,
+    as_mapping,
+    as_number,
+    boolean,
+    check_keys,
+    number,
+    opt_string,
+    read_dataclass,
+    string,
+)
 
 DEFAULT_CLASS = "default"
 
@@ -40,11 +55,11 @@ class ClassConfig:
     """
 
     name: str = DEFAULT_CLASS
-    max_queue_len: int = 1024
-    max_queue_wait_s: float = 60.0
-    ageing_s: float = 5.0
-    retry_after_s: int | None = None
-    fill_frac: float = 1.0
+    max_queue_len: NonNegativeInt = 1024
+    max_queue_wait_s: PositiveFloat = 60.0
+    ageing_s: PositiveFloat = 5.0
+    retry_after_s: NonNegativeInt | None = None
+    fill_frac: Annotated[float, FRACTION] = 1.0
     placement: Literal["policy", "first_token"] = "policy"
 
     @property
@@ -67,11 +82,11 @@ class FullConfig:
     ``Placer.place``. A backend with nothing in flight is never full.
     """
 
-    kv_high_water_frac: float = 1.0
-    seqs_high_water_frac: float = 1.0
-    max_drain_s: float | None = None
-    spill_margin: float = 2.0
-    engine_waiting_max: int | None = None
+    kv_high_water_frac: PositiveFloat = 1.0
+    seqs_high_water_frac: PositiveFloat = 1.0
+    max_drain_s: PositiveFloat | None = None
+    spill_margin: PositiveFloat = 2.0
+    engine_waiting_max: NonNegativeInt | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,151 +128,64 @@ _KEYS = (
     "enabled", "classes", "default_class", "class_header", "tenant_header", "tenants",
     "default_tenant_weight", "api_keys", "full", "recheck_s",
 )  # fmt: skip
-_CLASS_KEYS = (
-    "name",
-    "max_queue_len",
-    "max_queue_wait_s",
-    "ageing_s",
-    "retry_after_s",
-    "fill_frac",
-    "placement",
-)
 _DEFAULT = AdmissionConfig()
-_FULL_KEYS = (
-    "kv_high_water_frac", "seqs_high_water_frac", "max_drain_s", "spill_margin", "engine_waiting_max",
-)  # fmt: skip
-
-
-def _mapping(value: Any, path: str) -> Mapping[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise ConfigError(path, f"expected a mapping with string keys, got {value!r}")
-    return value
-
-
-def _only(data: Mapping[str, Any], allowed: tuple[str, ...], path: str) -> None:
-    for key in data:
-        if key not in allowed:
-            raise ConfigError(f"{path}.{key}", f"unknown field (valid: {', '.join(allowed)})")
-
-
-def _pos(data: Mapping[str, Any], key: str, path: str, default: float) -> float:
-    value = data.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(f"{path}.{key}", f"expected a finite number, got {value!r}")
-    if value <= 0:
-        raise ConfigError(f"{path}.{key}", f"must be > 0, got {value!r}")
-    return float(value)
-
-
-def _count(data: Mapping[str, Any], key: str, path: str, default: int | None, minimum: int) -> int | None:
-    value = data.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{path}.{key}", f"expected an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _name(data: Mapping[str, Any], key: str, path: str, default: str | None) -> str | None:
-    value = data.get(key, default)
-    if value is not None and (not isinstance(value, str) or not value):
-        raise ConfigError(f"{path}.{key}", f"expected a non-empty string, got {value!r}")
-    return value
 
 
 def _class(raw: Any, path: str, first: bool) -> ClassConfig:
-    d = _mapping(raw, path)
-    _only(d, _CLASS_KEYS, path)
-    name = _name(d, "name", path, None)
-    if name is None:
+    d = as_mapping(raw, path)
+    if "name" not in d:
         raise ConfigError(f"{path}.name", "every class needs a name")
-    dflt = ClassConfig()
-    return ClassConfig(
-        name=name,
-        max_queue_len=_count(d, "max_queue_len", path, dflt.max_queue_len, 0) or 0,
-        max_queue_wait_s=_pos(d, "max_queue_wait_s", path, dflt.max_queue_wait_s),
-        ageing_s=_pos(d, "ageing_s", path, dflt.ageing_s),
-        retry_after_s=_count(d, "retry_after_s", path, None, 0),
-        fill_frac=_pos(d, "fill_frac", path, 1.0 if first else 0.9),
-        placement=_placement(d.get("placement", "policy"), f"{path}.placement"),
-    )
+    return read_dataclass(ClassConfig, d, path, base=ClassConfig(fill_frac=1.0 if first else 0.9))
 
 
-def _placement(value: Any, path: str) -> Literal["policy", "first_token"]:
-    if value == "policy":
-        return "policy"
-    if value == "first_token":
-        return "first_token"
-    raise ConfigError(path, f"expected policy or first_token, got {value!r}")
-
-
-def _full(raw: Any) -> FullConfig:
-    d = _mapping(raw, "admission.full")
-    _only(d, _FULL_KEYS, "admission.full")
-    dflt = FullConfig()
-    return FullConfig(
-        kv_high_water_frac=_pos(d, "kv_high_water_frac", "admission.full", dflt.kv_high_water_frac),
-        seqs_high_water_frac=_pos(d, "seqs_high_water_frac", "admission.full", dflt.seqs_high_water_frac),
-        max_drain_s=_pos(d, "max_drain_s", "admission.full", 1.0) if "max_drain_s" in d else None,
-        spill_margin=_pos(d, "spill_margin", "admission.full", dflt.spill_margin),
-        engine_waiting_max=_count(d, "engine_waiting_max", "admission.full", None, 0),
-    )
+def _classes(raw: Any) -> tuple[ClassConfig, ...]:
+    if raw is None:
+        return (ClassConfig(),)
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError("admission.classes", "expected a non-empty list of classes, highest priority first")
+    classes = tuple(_class(c, f"admission.classes[{i}]", i == 0) for i, c in enumerate(raw))
+    names = [c.name for c in classes]
+    for i, n in enumerate(names):
+        if n in names[:i]:
+            raise ConfigError(f"admission.classes[{i}].name", f"duplicate class name {n!r}")
+    return classes
 
 
 def _api_keys(raw: Any, classes: tuple[str, ...]) -> dict[str, ApiKeyConfig]:
     out: dict[str, ApiKeyConfig] = {}
-    for key, value in _mapping(raw, "admission.api_keys").items():
+    for key, value in as_mapping(raw, "admission.api_keys").items():
         path = f"admission.api_keys.{key[:4]}…"  # never echo a whole key
-        d = _mapping(value, path)
-        _only(d, ("class", "tenant"), path)
-        cls = _name(d, "class", path, None)
+        d = as_mapping(value, path)
+        check_keys(d, ("class", "tenant"), path)
+        cls = opt_string(d, "class", path)
         if cls is not None and cls not in classes:
             raise ConfigError(f"{path}.class", f"unknown class {cls!r} (classes: {', '.join(classes)})")
-        out[key] = ApiKeyConfig(cls, _name(d, "tenant", path, None))
+        out[key] = ApiKeyConfig(cls, opt_string(d, "tenant", path))
     return out
 
 
 def parse_admission(raw: Any) -> AdmissionConfig:
     """Validate the decoded ``admission:`` mapping (None: the defaults)."""
-    d = _mapping(raw, "admission")
-    _only(d, _KEYS, "admission")
+    d = as_mapping(raw, "admission")
+    check_keys(d, _KEYS, "admission")
     # Off unless configured: through the gateway the queue cost rate-∞ throughput (docs/admission.md).
     # A present ``admission:`` section turns it on unless it says ``enabled: false``.
-    enabled = d.get("enabled", raw is not None)
-    if not isinstance(enabled, bool):
-        raise ConfigError("admission.enabled", f"expected true or false, got {enabled!r}")
-    classes_raw = d.get("classes")
-    if classes_raw is None:
-        classes: tuple[ClassConfig, ...] = (ClassConfig(),)
-    elif isinstance(classes_raw, list) and classes_raw:
-        classes = tuple(_class(c, f"admission.classes[{i}]", i == 0) for i, c in enumerate(classes_raw))
-    else:
-        raise ConfigError("admission.classes", "expected a non-empty list of classes, highest priority first")
+    enabled = boolean(d, "enabled", "admission", raw is not None)
+    classes = _classes(d.get("classes"))
     names = tuple(c.name for c in classes)
-    for i, c in enumerate(classes):
-        if c.fill_frac > 1:
-            raise ConfigError(f"admission.classes[{i}].fill_frac", f"must be <= 1, got {c.fill_frac}")
-    for i, n in enumerate(names):
-        if n in names[:i]:
-            raise ConfigError(f"admission.classes[{i}].name", f"duplicate class name {n!r}")
-    default_class = _name(d, "default_class", "admission", None) or names[-1]
+    default_class = opt_string(d, "default_class", "admission") or names[-1]
     if default_class not in names:
         raise ConfigError("admission.default_class", f"unknown class {default_class!r} (classes: {names})")
-    weights = {
-        t: _pos({t: w}, t, "admission.tenants", 1.0)
-        for t, w in _mapping(d.get("tenants"), "admission.tenants").items()
-    }
+    tenants = as_mapping(d.get("tenants"), "admission.tenants")
     return AdmissionConfig(
         enabled=enabled,
         classes=classes,
         default_class=default_class,
-        class_header=_name(d, "class_header", "admission", _DEFAULT.class_header) or "",
-        tenant_header=_name(d, "tenant_header", "admission", _DEFAULT.tenant_header) or "",
-        tenant_weights=weights,
-        default_tenant_weight=_pos(d, "default_tenant_weight", "admission", 1.0),
+        class_header=string(d, "class_header", "admission", _DEFAULT.class_header),
+        tenant_header=string(d, "tenant_header", "admission", _DEFAULT.tenant_header),
+        tenant_weights={t: as_number(w, f"admission.tenants.{t}", POSITIVE) for t, w in tenants.items()},
+        default_tenant_weight=number(d, "default_tenant_weight", "admission", 1.0, POSITIVE),
         api_keys=_api_keys(d.get("api_keys"), names),
-        full=_full(d.get("full")),
-        recheck_s=_pos(d, "recheck_s", "admission", 1.0),
+        full=read_dataclass(FullConfig, d.get("full"), "admission.full"),
+        recheck_s=number(d, "recheck_s", "admission", 1.0, POSITIVE),
     )

@@ -7,21 +7,33 @@ Invariants:
 - Catalog data lives in ``config/catalog/{gpus,models}.yaml`` (reachable as ``hetroute/data``); nothing
   here hard-codes a GPU or model figure.
 - Every validation error is a :class:`CatalogError` naming the file and the field
-  (``gpus.yaml: gpus[3].mem_bw_gbps: expected a positive number, got -1``).
+  (``gpus.yaml: gpus[3].mem_bw_gbps: must be > 0, got -1``); the specs' annotations are their bounds,
+  read through :mod:`hetroute.fields`, and an unknown key is an error.
 - KV per token is GQA-correct: ``2 · n_layers · n_kv_heads · head_dim · kv_dtype_bytes``.
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-import yaml
-
-from hetroute.errors import ConfigError
+from hetroute.errors import ConfigError, FileConfigError
+from hetroute.fields import (
+    FRACTION,
+    POSITIVE,
+    UNIT,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    as_mapping,
+    file_errors,
+    load_yaml,
+    number,
+    read_dataclass,
+)
 
 Interconnect = Literal["nvlink", "pcie"]
 GIB = 1024**3
@@ -30,13 +42,8 @@ DEFAULT_GPU_CATALOG = _DATA_DIR / "gpus.yaml"
 DEFAULT_MODEL_CATALOG = _DATA_DIR / "models.yaml"
 
 
-class CatalogError(ConfigError):
+class CatalogError(FileConfigError):
     """A catalog file is unreadable or a field is invalid; names the file and the field."""
-
-    def __init__(self, source: str, field_path: str, message: str) -> None:
-        super().__init__(f"{source}: {field_path}", message)
-        self.source = source
-        self.field_path = field_path
 
 
 class UnknownCatalogEntry(KeyError):
@@ -59,18 +66,18 @@ class GpuSpec:
     """One GPU type: datasheet figures plus the roofline efficiency knobs (see roofline.py)."""
 
     name: str
-    fp16_tflops: float
-    memory_gib: float
-    mem_bw_gbps: float
+    fp16_tflops: PositiveFloat
+    memory_gib: PositiveFloat
+    mem_bw_gbps: PositiveFloat
     interconnect: Interconnect
-    interconnect_gbps: float
-    decode_bw_eff: float
-    prefill_mfu: float
-    decode_mfu: float
-    compute_overlap: float
-    step_overhead_s: float
-    layer_overhead_s: float
-    allreduce_latency_s: float
+    interconnect_gbps: PositiveFloat
+    decode_bw_eff: Annotated[float, FRACTION]
+    prefill_mfu: Annotated[float, FRACTION]
+    decode_mfu: Annotated[float, FRACTION]
+    compute_overlap: Annotated[float, UNIT]
+    step_overhead_s: NonNegativeFloat
+    layer_overhead_s: NonNegativeFloat
+    allreduce_latency_s: NonNegativeFloat
 
     @property
     def memory_bytes(self) -> float:
@@ -82,15 +89,15 @@ class ModelSpec:
     """One model architecture (dense decoder-only transformer)."""
 
     name: str
-    n_layers: int
-    hidden_size: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    params: float
-    dtype_bytes: int
-    kv_dtype_bytes: int
-    max_model_len: int
+    n_layers: PositiveInt
+    hidden_size: PositiveInt
+    n_heads: PositiveInt
+    n_kv_heads: PositiveInt
+    head_dim: PositiveInt
+    params: PositiveFloat
+    dtype_bytes: PositiveInt
+    kv_dtype_bytes: PositiveInt
+    max_model_len: PositiveInt
     hf_id: str | None = None
 
     @property
@@ -98,164 +105,69 @@ class ModelSpec:
         return self.params * self.dtype_bytes
 
 
-# ---------------------------------------------------------------- validation helpers
+# ---------------------------------------------------------------- loading
 
 
-def _as_number(value: Any) -> Any:
-    # PyYAML (YAML 1.1) reads "8.03e9" as a string; accept it as the number an operator meant.
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
+def _yaml11_numbers(item: Mapping[str, Any], text_keys: tuple[str, ...]) -> dict[str, Any]:
+    """``item`` with number-like strings read as floats: PyYAML (YAML 1.1) reads ``8.03e9`` as a string,
+    and an operator meant the number."""
+    out = dict(item)
+    for key, value in item.items():
+        if key not in text_keys and isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                out[key] = float(value)
+    return out
 
 
-def _positive(source: str, item: Mapping[str, Any], key: str, path: str) -> float:
-    if key not in item:
-        raise CatalogError(source, f"{path}.{key}", "missing")
-    value = _as_number(item[key])
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise CatalogError(source, f"{path}.{key}", f"expected a positive number, got {value!r}")
-    return float(value)
-
-
-def _nonneg(source: str, item: Mapping[str, Any], key: str, path: str, upper: float | None = None) -> float:
-    if key not in item:
-        raise CatalogError(source, f"{path}.{key}", "missing")
-    value = _as_number(item[key])
-    bad = isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
-    if bad or value < 0 or (upper is not None and value > upper):
-        bound = f"in [0, {upper}]" if upper is not None else ">= 0"
-        raise CatalogError(source, f"{path}.{key}", f"expected a number {bound}, got {value!r}")
-    return float(value)
-
-
-def _fraction(source: str, item: Mapping[str, Any], key: str, path: str) -> float:
-    value = _positive(source, item, key, path)
-    if value > 1.0:
-        raise CatalogError(source, f"{path}.{key}", f"expected a fraction in (0, 1], got {value!r}")
-    return value
-
-
-def _int(source: str, item: Mapping[str, Any], key: str, path: str, default: int | None = None) -> int:
-    if key not in item:
-        if default is not None:
-            return default
-        raise CatalogError(source, f"{path}.{key}", "missing")
-    value = item[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise CatalogError(source, f"{path}.{key}", f"expected a positive integer, got {value!r}")
-    return value
-
-
-def _name(source: str, item: Mapping[str, Any], path: str) -> str:
-    value = item.get("name")
-    if not isinstance(value, str) or not value.strip():
-        raise CatalogError(source, f"{path}.name", f"expected a non-empty string, got {value!r}")
-    return value.strip()
-
-
-def _read_list(path: Path, key: str) -> tuple[str, list[Any]]:
-    source = path.name
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise CatalogError(source, "<file>", f"cannot read {path}: {exc.strerror or exc}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise CatalogError(source, "<file>", f"not valid YAML: {exc}") from exc
+def _read_list(path: Path, key: str) -> list[Any]:
+    data = load_yaml(path)
     if not isinstance(data, Mapping) or not isinstance(data.get(key), list):
-        raise CatalogError(source, key, f"expected a top-level mapping with a list under {key!r}")
-    return source, list(data[key])
+        raise ConfigError(key, f"expected a top-level mapping with a list under {key!r}")
+    return list(data[key])
 
 
-def _gpu_from(source: str, item: Any, path: str) -> GpuSpec:
-    if not isinstance(item, Mapping):
-        raise CatalogError(source, path, f"expected a mapping, got {type(item).__name__}")
-    name = _name(source, item, path)
-    if "memory_gib" in item:
-        memory_gib = _positive(source, item, "memory_gib", path)
-    elif "memory_gb" in item:
-        memory_gib = _positive(source, item, "memory_gb", path) * 1e9 / GIB
-    else:
-        raise CatalogError(source, f"{path}.memory_gib", "missing (give memory_gib or memory_gb)")
-    interconnect = item.get("interconnect")
-    if interconnect not in ("nvlink", "pcie"):
-        raise CatalogError(
-            source, f"{path}.interconnect", f"expected one of nvlink|pcie, got {interconnect!r}"
-        )
-    return GpuSpec(
-        name=name,
-        fp16_tflops=_positive(source, item, "fp16_tflops", path),
-        memory_gib=memory_gib,
-        mem_bw_gbps=_positive(source, item, "mem_bw_gbps", path),
-        interconnect=interconnect,
-        interconnect_gbps=_positive(source, item, "interconnect_gbps", path),
-        decode_bw_eff=_fraction(source, item, "decode_bw_eff", path),
-        prefill_mfu=_fraction(source, item, "prefill_mfu", path),
-        decode_mfu=_fraction(source, item, "decode_mfu", path),
-        compute_overlap=_nonneg(source, item, "compute_overlap", path, upper=1.0),
-        step_overhead_s=_nonneg(source, item, "step_overhead_s", path),
-        layer_overhead_s=_nonneg(source, item, "layer_overhead_s", path),
-        allreduce_latency_s=_nonneg(source, item, "allreduce_latency_s", path),
-    )
+def _gpu_from(raw: Any, path: str) -> GpuSpec:
+    item = _yaml11_numbers(as_mapping(raw, path, none_ok=False), ("name", "interconnect"))
+    if "memory_gib" not in item:
+        if "memory_gb" not in item:
+            raise ConfigError(f"{path}.memory_gib", "missing (give memory_gib or memory_gb)")
+        gib = number(item, "memory_gb", path, bounds=POSITIVE) * 1e9 / GIB
+        item = {**{k: v for k, v in item.items() if k != "memory_gb"}, "memory_gib": gib}
+    spec = read_dataclass(GpuSpec, item, path)
+    return replace(spec, name=spec.name.strip())
 
 
-def _model_from(source: str, item: Any, path: str) -> ModelSpec:
-    if not isinstance(item, Mapping):
-        raise CatalogError(source, path, f"expected a mapping, got {type(item).__name__}")
-    name = _name(source, item, path)
-    n_heads = _int(source, item, "n_heads", path)
-    n_kv_heads = _int(source, item, "n_kv_heads", path)
-    if n_heads % n_kv_heads != 0:
-        raise CatalogError(source, f"{path}.n_kv_heads", f"{n_kv_heads} does not divide n_heads={n_heads}")
-    dtype_bytes = _int(source, item, "dtype_bytes", path)
-    hf_id = item.get("hf_id")
-    if hf_id is not None and not isinstance(hf_id, str):
-        raise CatalogError(source, f"{path}.hf_id", f"expected a string, got {hf_id!r}")
-    return ModelSpec(
-        name=name,
-        n_layers=_int(source, item, "n_layers", path),
-        hidden_size=_int(source, item, "hidden_size", path),
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=_int(source, item, "head_dim", path),
-        params=_positive(source, item, "params", path),
-        dtype_bytes=dtype_bytes,
-        kv_dtype_bytes=_int(source, item, "kv_dtype_bytes", path, default=dtype_bytes),
-        max_model_len=_int(source, item, "max_model_len", path),
-        hf_id=hf_id,
-    )
+def _model_from(raw: Any, path: str) -> ModelSpec:
+    item = _yaml11_numbers(as_mapping(raw, path, none_ok=False), ("name", "hf_id"))
+    spec = read_dataclass(ModelSpec, {"kv_dtype_bytes": item.get("dtype_bytes"), **item}, path)
+    if spec.n_heads % spec.n_kv_heads != 0:
+        raise ConfigError(f"{path}.n_kv_heads", f"{spec.n_kv_heads} does not divide n_heads={spec.n_heads}")
+    return replace(spec, name=spec.name.strip())
 
 
-def _check_unique(source: str, key: str, names: list[str]) -> None:
+def _check_unique(key: str, names: list[str]) -> None:
     seen: set[str] = set()
     for i, name in enumerate(names):
         if name.lower() in seen:
-            raise CatalogError(source, f"{key}[{i}].name", f"duplicate name {name!r}")
+            raise ConfigError(f"{key}[{i}].name", f"duplicate name {name!r}")
         seen.add(name.lower())
 
 
 def load_gpu_catalog(path: Path | None = None) -> dict[str, GpuSpec]:
     """Load and validate a GPU catalog (default: the packaged ``gpus.yaml``), keyed by name."""
-    source, items = _read_list(path or DEFAULT_GPU_CATALOG, "gpus")
-    gpus = [_gpu_from(source, item, f"gpus[{i}]") for i, item in enumerate(items)]
-    _check_unique(source, "gpus", [g.name for g in gpus])
+    file = path or DEFAULT_GPU_CATALOG
+    with file_errors(file.name, CatalogError):
+        gpus = [_gpu_from(item, f"gpus[{i}]") for i, item in enumerate(_read_list(file, "gpus"))]
+        _check_unique("gpus", [g.name for g in gpus])
     return {g.name: g for g in gpus}
 
 
 def load_model_catalog(path: Path | None = None) -> dict[str, ModelSpec]:
     """Load and validate a model catalog (default: the packaged ``models.yaml``), keyed by name."""
-    source, items = _read_list(path or DEFAULT_MODEL_CATALOG, "models")
-    models = [_model_from(source, item, f"models[{i}]") for i, item in enumerate(items)]
-    _check_unique(source, "models", [m.name for m in models])
+    file = path or DEFAULT_MODEL_CATALOG
+    with file_errors(file.name, CatalogError):
+        models = [_model_from(item, f"models[{i}]") for i, item in enumerate(_read_list(file, "models"))]
+        _check_unique("models", [m.name for m in models])
     return {m.name: m for m in models}
 
 

@@ -239,22 +239,19 @@ def run(args: argparse.Namespace) -> int:
 
 def _admission(source: str | None) -> SimAdmission | None:
     """``--admission``: None, ``on`` (the defaults) or a YAML file with an ``admission:`` section."""
-    import yaml
-
     from hetroute.admission.config import AdmissionConfig, parse_admission
+    from hetroute.fields import file_errors, load_yaml
     from hetroute.simulation.admission_run import SimAdmission
 
     if source is None:
         return None
     if source == "on":
         return SimAdmission(AdmissionConfig(enabled=True))
-    try:
-        data = yaml.safe_load(Path(source).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError("--admission", f"cannot read {source}: {exc}") from None
-    if not isinstance(data, dict) or "admission" not in data:
-        raise ConfigError("--admission", f"{source} has no `admission:` section")
-    return SimAdmission(parse_admission(data["admission"]))
+    with file_errors(f"--admission {source}"):
+        data = load_yaml(source)
+        if not isinstance(data, dict) or "admission" not in data:
+            raise ConfigError("admission", "missing (the file has no `admission:` section)")
+        return SimAdmission(parse_admission(data["admission"]))
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -16,9 +16,9 @@ Format (YAML; documented in docs/simulate.md, example in config/simulate/)::
         profile: ../profiles/x.yaml   # optional latency profile, relative to this file
         engine_args: {max_num_seqs: 256, max_num_batched_tokens: 8192, ...}
 
-Invariants: a parsed :class:`ClusterSpec` is frozen and fully validated; every error is a
-``ConfigError`` whose path names the field (``instances[1].tp``); instance names are unique after
-expansion of ``count``. GPU/model names are checked against the catalogs when they are passed in.
+Invariants: a parsed :class:`ClusterSpec` is frozen and fully validated (through :mod:`hetroute.fields`);
+every error is a ``ConfigError`` whose path names the field (``instances[1].tp``); instance names are
+unique after expansion of ``count``. GPU/model names are checked against the catalogs when they are passed in.
 
 :func:`build_fleet` resolves a spec against the GPU/model catalogs into a :class:`Fleet`: one
 ``EngineConfig`` and one ``BackendSpec`` per instance (index i = backend i), the form the simulator
@@ -28,13 +28,10 @@ capacity) is reported as a ConfigError naming the instance.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
-
-import yaml
 
 from hetroute.catalog.specs import (
     GpuSpec,
@@ -47,6 +44,24 @@ from hetroute.catalog.specs import (
     lookup_model,
 )
 from hetroute.errors import ConfigError
+from hetroute.fields import (
+    AT_LEAST_ONE,
+    FRACTION,
+    POSITIVE,
+    as_bool,
+    as_int,
+    as_list,
+    as_mapping,
+    as_number,
+    check_keys,
+    choice,
+    file_errors,
+    integer,
+    load_yaml,
+    number,
+    opt_string,
+    string,
+)
 from hetroute.latency import ProfileError, load_profile
 from hetroute.sim.engine_model import EngineConfig, EngineFlavour, EngineModel
 from hetroute.types import BackendSpec
@@ -65,10 +80,8 @@ ENGINE_ARG_TYPES: Final[dict[str, type]] = {
 }
 """Engine settings a cluster file may give (``EngineConfig`` fields besides gpu/model/tp/engine)."""
 
-_INSTANCE_KEYS: Final = frozenset(
-    {"name", "gpu", "tp", "model", "engine", "count", "weight", "profile", "engine_args"}
-)
-_ROOT_KEYS: Final = frozenset({"name", "description", "defaults", "instances"})
+_INSTANCE_KEYS: Final = ("name", "gpu", "tp", "model", "engine", "count", "weight", "profile", "engine_args")
+_ROOT_KEYS: Final = ("name", "description", "defaults", "instances")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,48 +115,24 @@ class ClusterSpec:
 
 
 def _engine_args(raw: Any, path: str) -> dict[str, int | float | bool]:
-    if raw is None:
-        return {}
-    if not isinstance(raw, Mapping):
-        raise ConfigError(path, f"expected a mapping, got {type(raw).__name__}")
     out: dict[str, int | float | bool] = {}
-    for key, value in raw.items():
-        kind = ENGINE_ARG_TYPES.get(str(key))
-        where = f"{path}.{key}"
-        if kind is None:
-            raise ConfigError(where, f"unknown engine setting; expected one of {', '.join(ENGINE_ARG_TYPES)}")
+    data = as_mapping(raw, path)
+    check_keys(data, tuple(ENGINE_ARG_TYPES), path, what="engine setting")
+    for key, value in data.items():
+        kind, where = ENGINE_ARG_TYPES[key], f"{path}.{key}"
         if kind is bool:
-            if not isinstance(value, bool):
-                raise ConfigError(where, f"expected true or false, got {value!r}")
-            out[str(key)] = value
+            out[key] = as_bool(value, where)
         elif kind is int:
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(where, f"expected a positive integer, got {value!r}")
-            out[str(key)] = value
+            out[key] = as_int(value, where, AT_LEAST_ONE)
         else:
-            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-            if not ok or value <= 0:
-                raise ConfigError(where, f"expected a positive number, got {value!r}")
-            out[str(key)] = float(value)
-    util = out.get("gpu_memory_utilization")
-    if util is not None and not 0 < float(util) <= 1:
-        raise ConfigError(f"{path}.gpu_memory_utilization", f"must be in (0, 1], got {util}")
+            out[key] = as_number(value, where, FRACTION if key == "gpu_memory_utilization" else POSITIVE)
     return out
 
 
-def _str(raw: Mapping[str, Any], key: str, path: str, known: Collection[str] | None, what: str) -> str:
-    value = raw.get(key)
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{path}.{key}", f"expected a {what} name, got {value!r}")
+def _name(raw: Mapping[str, Any], key: str, path: str, known: Collection[str] | None, what: str) -> str:
+    value = string(raw, key, path)
     if known is not None and value not in known:
         raise ConfigError(f"{path}.{key}", f"unknown {what} {value!r}; known: {', '.join(sorted(known))}")
-    return value
-
-
-def _pos_int(raw: Mapping[str, Any], key: str, path: str, default: int) -> int:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{path}.{key}", f"expected a positive integer, got {value!r}")
     return value
 
 
@@ -155,38 +144,26 @@ def _instances(
     known_gpus: Collection[str] | None,
     known_models: Collection[str] | None,
 ) -> list[InstanceSpec]:
-    unknown = set(raw) - _INSTANCE_KEYS
-    if unknown:
-        raise ConfigError(
-            f"{path}.{sorted(unknown)[0]}",
-            f"unknown key; expected one of {', '.join(sorted(_INSTANCE_KEYS))}",
-        )
+    check_keys(raw, _INSTANCE_KEYS, path)
     merged = {**defaults, **raw}
-    gpu = _str(merged, "gpu", path, known_gpus, "GPU")
-    model = _str(merged, "model", path, known_models, "model")
-    tp = _pos_int(merged, "tp", path, 1)
-    count = _pos_int(merged, "count", path, 1)
-    engine = merged.get("engine", "vllm")
-    if engine not in ("vllm", "tgi"):
-        raise ConfigError(f"{path}.engine", f"expected one of vllm|tgi, got {engine!r}")
-    engine_kind: EngineFlavour = "tgi" if engine == "tgi" else "vllm"
-    weight = merged.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
-        raise ConfigError(f"{path}.weight", f"expected a positive number, got {weight!r}")
-    profile = merged.get("profile")
-    if profile is not None and not isinstance(profile, str):
-        raise ConfigError(f"{path}.profile", f"expected a path, got {profile!r}")
+    gpu = _name(merged, "gpu", path, known_gpus, "GPU")
+    model = _name(merged, "model", path, known_models, "model")
+    tp = integer(merged, "tp", path, 1, AT_LEAST_ONE)
+    count = integer(merged, "count", path, 1, AT_LEAST_ONE)
+    engine: EngineFlavour = (
+        "tgi" if choice(merged, "engine", path, ("vllm", "tgi"), "vllm") == "tgi" else "vllm"
+    )
+    profile = opt_string(merged, "profile", path)
     if profile is not None and base_dir is not None and not Path(profile).is_absolute():
         profile = str(base_dir / profile)
     args = {
         **_engine_args(defaults.get("engine_args"), "defaults.engine_args"),
         **_engine_args(raw.get("engine_args"), f"{path}.engine_args"),
     }
-    name = raw.get("name", f"{gpu}-tp{tp}")
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"{path}.name", f"expected a non-empty string, got {name!r}")
+    name = string(raw, "name", path, f"{gpu}-tp{tp}")
+    weight = number(merged, "weight", path, 1.0, POSITIVE)
     names = [name] if count == 1 else [f"{name}-{k}" for k in range(count)]
-    return [InstanceSpec(n, gpu, tp, model, engine_kind, float(weight), profile, dict(args)) for n in names]
+    return [InstanceSpec(n, gpu, tp, model, engine, weight, profile, dict(args)) for n in names]
 
 
 def parse_cluster(
@@ -198,25 +175,16 @@ def parse_cluster(
     known_models: Collection[str] | None = None,
 ) -> ClusterSpec:
     """Validate decoded YAML into a :class:`ClusterSpec` (ConfigError naming the field)."""
-    if not isinstance(data, Mapping):
-        raise ConfigError("<root>", f"expected a mapping with 'instances', got {type(data).__name__}")
-    unknown = set(data) - _ROOT_KEYS
-    if unknown:
-        raise ConfigError(sorted(unknown)[0], f"unknown key; expected one of {', '.join(sorted(_ROOT_KEYS))}")
-    defaults = data.get("defaults") or {}
-    if not isinstance(defaults, Mapping):
-        raise ConfigError("defaults", f"expected a mapping, got {type(defaults).__name__}")
-    bad = set(defaults) - (_INSTANCE_KEYS - {"name", "count"})
-    if bad:
-        raise ConfigError(f"defaults.{sorted(bad)[0]}", "not allowed in defaults")
-    raw_instances = data.get("instances")
-    if not isinstance(raw_instances, list) or not raw_instances:
-        raise ConfigError("instances", "expected a non-empty list of instances")
+    root = as_mapping(data, "<root>", none_ok=False)
+    check_keys(root, _ROOT_KEYS, "")
+    defaults = as_mapping(root.get("defaults"), "defaults")
+    for key in defaults:
+        if key not in _INSTANCE_KEYS or key in ("name", "count"):
+            raise ConfigError(f"defaults.{key}", "not allowed in defaults")
     instances: list[InstanceSpec] = []
-    for k, raw in enumerate(raw_instances):
-        if not isinstance(raw, Mapping):
-            raise ConfigError(f"instances[{k}]", f"expected a mapping, got {type(raw).__name__}")
-        instances.extend(_instances(raw, f"instances[{k}]", defaults, base_dir, known_gpus, known_models))
+    for k, raw in enumerate(as_list(root.get("instances"), "instances", "instances")):
+        item = as_mapping(raw, f"instances[{k}]", none_ok=False)
+        instances.extend(_instances(item, f"instances[{k}]", defaults, base_dir, known_gpus, known_models))
     seen: set[str] = set()
     for inst in instances:
         if inst.name in seen:
@@ -224,13 +192,10 @@ def parse_cluster(
                 "instances", f"duplicate instance name {inst.name!r} (set 'name' to tell them apart)"
             )
         seen.add(inst.name)
-    name = data.get("name", default_name)
-    description = data.get("description", "")
-    if not isinstance(name, str) or not name:
-        raise ConfigError("name", f"expected a non-empty string, got {name!r}")
+    description = root.get("description", "")
     if not isinstance(description, str):
         raise ConfigError("description", f"expected a string, got {description!r}")
-    return ClusterSpec(name=name, instances=tuple(instances), description=description)
+    return ClusterSpec(string(root, "name", "", default_name), tuple(instances), description)
 
 
 def load_cluster_file(
@@ -241,18 +206,14 @@ def load_cluster_file(
 ) -> ClusterSpec:
     """Read and validate a cluster file; errors are prefixed with the file name."""
     p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(str(p), f"cannot read: {exc.strerror or exc}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(str(p), f"not valid YAML: {exc}") from exc
-    try:
+    with file_errors(str(p)):
         return parse_cluster(
-            data, default_name=p.stem, base_dir=p.parent, known_gpus=known_gpus, known_models=known_models
+            load_yaml(p),
+            default_name=p.stem,
+            base_dir=p.parent,
+            known_gpus=known_gpus,
+            known_models=known_models,
         )
-    except ConfigError as exc:
-        raise ConfigError(f"{p}: {exc.path}", exc.message) from exc
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,15 +30,35 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import yaml
+from typing import Annotated, Any
 
 from hetroute.catalog.specs import GpuSpec, ModelSpec, UnknownCatalogEntry, lookup_gpu
+from hetroute.errors import ConfigError, FileConfigError
+from hetroute.fields import (
+    AT_LEAST_ONE,
+    FRACTION,
+    NON_NEGATIVE,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Range,
+    Reader,
+    as_int,
+    as_list,
+    as_mapping,
+    check_keys,
+    file_errors,
+    integer,
+    load_yaml,
+    opt_number,
+    opt_string,
+    read_dataclass,
+    string,
+)
 from hetroute.latency import LatencyProfile, ProfileError, load_profile
 from hetroute.policy_names import policy_names
 from hetroute.tuner.cluster_models import parse_models
-from hetroute.tuner.fields import ClusterError, FieldReader
 
 __all__ = [
     "ClusterError",
@@ -53,27 +73,30 @@ __all__ = [
     "load_cluster",
 ]
 
-_MACHINE_KEYS = {"name", "gpu", "gpus", "price_per_hour", "model", "count", "host"}
-_ENGINE_KEYS = {
-    "gpu_memory_utilization",
-    "overhead_gib_per_gpu",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
-    "tp_degrees",
-}
+_MACHINE_KEYS = ("name", "gpu", "gpus", "price_per_hour", "model", "count", "host")
+
+
+class ClusterError(FileConfigError):
+    """An invalid cluster file; names the file and the field."""
+
+
+def _tp_degrees(value: Any, path: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    items = as_list(value, path, "positive integers")
+    return tuple(as_int(v, f"{path}[{i}]", AT_LEAST_ONE) for i, v in enumerate(items))
 
 
 @dataclass(frozen=True, slots=True)
 class EngineSettings:
     """vLLM-like engine settings shared by every instance (None = the model's / engine's default)."""
 
-    gpu_memory_utilization: float = 0.9
-    overhead_gib_per_gpu: float = 2.0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    tp_degrees: tuple[int, ...] | None = None
+    gpu_memory_utilization: Annotated[float, FRACTION] = 0.9
+    overhead_gib_per_gpu: NonNegativeFloat = 2.0
+    max_num_seqs: PositiveInt = 256
+    max_num_batched_tokens: PositiveInt | None = None
+    max_model_len: PositiveInt | None = None
+    tp_degrees: Annotated[tuple[int, ...] | None, Reader(_tp_degrees)] = None
 
     def model_len(self, model: ModelSpec) -> int:
         """The effective max model length: the setting, else the model's own limit."""
@@ -100,17 +123,17 @@ class MachineSpec:
 class SloSpec:
     """A latency bound at a target cluster arrival rate (requests/s)."""
 
-    rate_rps: float
-    ttft_s: float | None = None
-    tpot_s: float | None = None
+    rate_rps: PositiveFloat
+    ttft_s: PositiveFloat | None = None
+    tpot_s: PositiveFloat | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Constraints:
     """Optional global constraints that make the per-machine choice non-separable."""
 
-    min_instances: int | None = None
-    max_cost_per_hour: float | None = None
+    min_instances: PositiveInt | None = None
+    max_cost_per_hour: PositiveFloat | None = None
     slo: SloSpec | None = None
 
     @property
@@ -124,7 +147,7 @@ class DeploySettings:
 
     image: str = "vllm/vllm-openai:v0.6.3"
     engine: str = "vllm"
-    base_port: int = 8000
+    base_port: Annotated[int, Range(minimum=1, maximum=65000)] = 8000
     model_dir: str = "/models"
     policy: str = "round_robin"
 
@@ -134,9 +157,9 @@ class WorkloadSettings:
     """The default request sample: ``requests`` drawn from ``kind``, each repeated ``duplicates`` times."""
 
     kind: str = "sharegpt"
-    requests: int = 1000
-    seed: int = 0
-    duplicates: int = 1
+    requests: PositiveInt = 1000
+    seed: NonNegativeInt = 0
+    duplicates: PositiveInt = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,173 +177,118 @@ class ClusterSpec:
     deploy: DeploySettings = field(default_factory=DeploySettings)
 
 
-def _engine(r: FieldReader, value: Any) -> EngineSettings:
-    item = r.mapping(value if value is not None else {}, "engine")
-    r.unknown_keys(item, _ENGINE_KEYS, "engine")
-    tps: tuple[int, ...] | None = None
-    if item.get("tp_degrees") is not None:
-        raw = item["tp_degrees"]
-        if not isinstance(raw, list) or not raw:
-            raise r.fail("engine.tp_degrees", f"expected a non-empty list of positive integers, got {raw!r}")
-        for i, v in enumerate(raw):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise r.fail(f"engine.tp_degrees[{i}]", f"expected a positive integer, got {v!r}")
-        tps = tuple(raw)
-    return EngineSettings(
-        gpu_memory_utilization=r.number(item, "gpu_memory_utilization", "engine", hi=1.0, default=0.9),
-        overhead_gib_per_gpu=r.number(item, "overhead_gib_per_gpu", "engine", lo_open=False, default=2.0),
-        max_num_seqs=r.integer(item, "max_num_seqs", "engine", default=256),
-        max_num_batched_tokens=r.opt_integer(item, "max_num_batched_tokens", "engine"),
-        max_model_len=r.opt_integer(item, "max_model_len", "engine"),
-        tp_degrees=tps,
-    )
+def _machine_model(item: Mapping[str, Any], path: str, models: Mapping[str, ModelSpec]) -> str:
+    """The key of the model a machine (or a profile) entry serves: its ``model``, or the file's only one."""
+    if "model" in item:
+        model_key = string(item, "model", path).strip()
+        if model_key not in models:
+            raise ConfigError(
+                f"{path}.model", f"unknown model {model_key!r}; the file defines {', '.join(models)}"
+            )
+        return model_key
+    if len(models) == 1:
+        return next(iter(models))
+    raise ConfigError(f"{path}.model", f"missing (the file defines several models: {', '.join(models)})")
+
+
+def _gpu(item: Mapping[str, Any], path: str, gpus: Mapping[str, GpuSpec]) -> GpuSpec:
+    try:
+        return lookup_gpu(gpus, string(item, "gpu", path).strip())
+    except UnknownCatalogEntry as exc:
+        raise ConfigError(f"{path}.gpu", str(exc)) from None
 
 
 def _machines(
-    r: FieldReader, value: Any, gpus: Mapping[str, GpuSpec], models: Mapping[str, ModelSpec]
+    value: Any, gpus: Mapping[str, GpuSpec], models: Mapping[str, ModelSpec]
 ) -> tuple[MachineSpec, ...]:
-    if not isinstance(value, list) or not value:
-        raise r.fail("machines", "expected a non-empty list of machines")
     out: list[MachineSpec] = []
     names: set[str] = set()
-    for i, raw in enumerate(value):
+    for i, raw in enumerate(as_list(value, "machines", "machines")):
         path = f"machines[{i}]"
-        item = r.mapping(raw, path)
-        r.unknown_keys(item, _MACHINE_KEYS, path)
-        name = r.string(item, "name", path)
-        try:
-            gpu = lookup_gpu(gpus, r.string(item, "gpu", path))
-        except UnknownCatalogEntry as exc:
-            raise r.fail(f"{path}.gpu", str(exc)) from None
-        n_gpus = r.integer(item, "gpus", path)
-        price = (
-            None
-            if item.get("price_per_hour") is None
-            else r.number(item, "price_per_hour", path, lo_open=False)
-        )
-        if "model" in item:
-            model_key = r.string(item, "model", path)
-            if model_key not in models:
-                raise r.fail(
-                    f"{path}.model", f"unknown model {model_key!r}; the file defines {', '.join(models)}"
-                )
-        elif len(models) == 1:
-            model_key = next(iter(models))
-        else:
-            raise r.fail(f"{path}.model", f"missing (the file defines several models: {', '.join(models)})")
-        count = r.integer(item, "count", path, default=1)
-        host = None if item.get("host") is None else r.string(item, "host", path)
+        item = as_mapping(raw, path, none_ok=False)
+        check_keys(item, _MACHINE_KEYS, path)
+        name = string(item, "name", path).strip()
+        gpu = _gpu(item, path, gpus)
+        n_gpus = integer(item, "gpus", path, bounds=AT_LEAST_ONE)
+        price = opt_number(item, "price_per_hour", path, NON_NEGATIVE)
+        model_key = _machine_model(item, path, models)
+        count = integer(item, "count", path, 1, AT_LEAST_ONE)
+        host = opt_string(item, "host", path)
         for k in range(count):
             full = name if count == 1 else f"{name}-{k}"
             if full in names:
-                raise r.fail(f"{path}.name", f"duplicate machine name {full!r}")
+                raise ConfigError(f"{path}.name", f"duplicate machine name {full!r}")
             names.add(full)
             out.append(MachineSpec(full, gpu, n_gpus, model_key, price, host if count == 1 else None))
     return tuple(out)
 
 
 def _profiles(
-    r: FieldReader, value: Any, base_dir: Path, gpus: Mapping[str, GpuSpec], models: Mapping[str, ModelSpec]
+    value: Any, base_dir: Path, gpus: Mapping[str, GpuSpec], models: Mapping[str, ModelSpec]
 ) -> tuple[dict[tuple[str, int, str], LatencyProfile], dict[tuple[str, int, str], str]]:
     profiles: dict[tuple[str, int, str], LatencyProfile] = {}
     paths: dict[tuple[str, int, str], str] = {}
     if value is None:
         return profiles, paths
     if not isinstance(value, list):
-        raise r.fail("profiles", f"expected a list, got {type(value).__name__}")
+        raise ConfigError("profiles", f"expected a list, got {type(value).__name__}")
     for i, raw in enumerate(value):
         path = f"profiles[{i}]"
-        item = r.mapping(raw, path)
-        r.unknown_keys(item, {"gpu", "tp", "model", "path"}, path)
-        try:
-            gpu = lookup_gpu(gpus, r.string(item, "gpu", path))
-        except UnknownCatalogEntry as exc:
-            raise r.fail(f"{path}.gpu", str(exc)) from None
-        tp = r.integer(item, "tp", path)
-        if "model" in item:
-            model_key = r.string(item, "model", path)
-            if model_key not in models:
-                raise r.fail(
-                    f"{path}.model", f"unknown model {model_key!r}; the file defines {', '.join(models)}"
-                )
-        elif len(models) == 1:
-            model_key = next(iter(models))
-        else:
-            raise r.fail(f"{path}.model", "missing (the file defines several models)")
-        file = Path(r.string(item, "path", path))
+        item = as_mapping(raw, path, none_ok=False)
+        check_keys(item, ("gpu", "tp", "model", "path"), path)
+        gpu = _gpu(item, path, gpus)
+        tp = integer(item, "tp", path, bounds=AT_LEAST_ONE)
+        model_key = _machine_model(item, path, models)
+        file = Path(string(item, "path", path).strip())
         file = file if file.is_absolute() else base_dir / file
         try:
             profile = load_profile(file)
         except ProfileError as exc:
-            raise r.fail(f"{path}.path", str(exc)) from None
+            raise ConfigError(f"{path}.path", str(exc)) from None
         key = (gpu.name, tp, model_key)
         if key in profiles:
-            raise r.fail(path, f"duplicate profile for {gpu.name} TP{tp} {model_key}")
+            raise ConfigError(path, f"duplicate profile for {gpu.name} TP{tp} {model_key}")
         profiles[key] = profile
         paths[key] = str(file)
     return profiles, paths
 
 
-def _constraints(r: FieldReader, value: Any) -> Constraints:
-    item = r.mapping(value if value is not None else {}, "constraints")
-    r.unknown_keys(item, {"min_instances", "max_cost_per_hour", "slo"}, "constraints")
-    slo = None
-    if item.get("slo") is not None:
-        s = r.mapping(item["slo"], "constraints.slo")
-        r.unknown_keys(s, {"rate_rps", "ttft_s", "tpot_s"}, "constraints.slo")
-        if s.get("ttft_s") is None and s.get("tpot_s") is None:
-            raise r.fail("constraints.slo", "give ttft_s, tpot_s or both")
-        slo = SloSpec(
-            rate_rps=r.number(s, "rate_rps", "constraints.slo"),
-            ttft_s=None if s.get("ttft_s") is None else r.number(s, "ttft_s", "constraints.slo"),
-            tpot_s=None if s.get("tpot_s") is None else r.number(s, "tpot_s", "constraints.slo"),
+def _constraints(value: Any) -> Constraints:
+    constraints = read_dataclass(Constraints, value, "constraints")
+    slo = constraints.slo
+    if slo is not None and slo.ttft_s is None and slo.tpot_s is None:
+        raise ConfigError("constraints.slo", "give ttft_s, tpot_s or both")
+    return constraints
+
+
+def _deploy(value: Any) -> DeploySettings:
+    deploy = read_dataclass(DeploySettings, value, "deploy")
+    if deploy.engine != "vllm":
+        raise ConfigError("deploy.engine", f"only 'vllm' deployments can be emitted, got {deploy.engine!r}")
+    if deploy.policy not in policy_names():
+        raise ConfigError(
+            "deploy.policy", f"unknown policy {deploy.policy!r} (valid: {', '.join(policy_names())})"
         )
-    return Constraints(
-        min_instances=r.opt_integer(item, "min_instances", "constraints"),
-        max_cost_per_hour=None
-        if item.get("max_cost_per_hour") is None
-        else r.number(item, "max_cost_per_hour", "constraints"),
-        slo=slo,
-    )
+    return deploy
 
 
-def _workload(r: FieldReader, value: Any) -> WorkloadSettings:
-    item = r.mapping(value if value is not None else {}, "workload")
-    r.unknown_keys(item, {"kind", "requests", "seed", "duplicates"}, "workload")
-    seed = item.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise r.fail("workload.seed", f"expected a non-negative integer, got {seed!r}")
-    return WorkloadSettings(
-        kind=r.string(item, "kind", "workload", default="sharegpt"),
-        requests=r.integer(item, "requests", "workload", default=1000),
-        seed=seed,
-        duplicates=r.integer(item, "duplicates", "workload", default=1),
-    )
+_TOP_KEYS = ("name", "model", "models", "machines", "engine", "profiles", "constraints", "workload", "deploy")
 
 
-def _deploy(r: FieldReader, value: Any) -> DeploySettings:
-    item = r.mapping(value if value is not None else {}, "deploy")
-    r.unknown_keys(item, {"image", "engine", "base_port", "model_dir", "policy"}, "deploy")
-    d = DeploySettings()
-    engine = r.string(item, "engine", "deploy", default=d.engine)
-    if engine != "vllm":
-        raise r.fail("deploy.engine", f"only 'vllm' deployments can be emitted, got {engine!r}")
-    port = r.integer(item, "base_port", "deploy", default=d.base_port)
-    if port > 65000:
-        raise r.fail("deploy.base_port", f"expected a port <= 65000, got {port}")
-    policy = r.string(item, "policy", "deploy", default=d.policy)
-    if policy not in policy_names():
-        raise r.fail("deploy.policy", f"unknown policy {policy!r} (valid: {', '.join(policy_names())})")
-    return DeploySettings(
-        image=r.string(item, "image", "deploy", default=d.image),
-        engine=engine,
-        base_port=port,
-        model_dir=r.string(item, "model_dir", "deploy", default=d.model_dir),
-        policy=policy,
-    )
-
-
-_TOP_KEYS = {"name", "model", "models", "machines", "engine", "profiles", "constraints", "workload", "deploy"}
+def _check_models(engine: EngineSettings, model_specs: Mapping[str, ModelSpec]) -> None:
+    """The engine settings fit every model: ``max_model_len`` within its limit, each TP divides its heads."""
+    for key, spec in model_specs.items():
+        if engine.max_model_len is not None and engine.max_model_len > spec.max_model_len:
+            raise ConfigError(
+                "engine.max_model_len",
+                f"{engine.max_model_len} exceeds model {key!r}'s limit of {spec.max_model_len} tokens",
+            )
+        for i, tp in enumerate(engine.tp_degrees or ()):
+            if spec.n_heads % tp != 0:
+                raise ConfigError(
+                    f"engine.tp_degrees[{i}]",
+                    f"TP {tp} does not divide model {key!r}'s {spec.n_heads} attention heads",
+                )
 
 
 def cluster_from_dict(
@@ -331,43 +299,31 @@ def cluster_from_dict(
     source: str = "<cluster>",
     base_dir: Path | None = None,
 ) -> ClusterSpec:
-    """Validate decoded YAML into a :class:`ClusterSpec` (``ClusterError`` naming the field)."""
-    r = FieldReader(source)
-    root = r.mapping(data, "<root>")
-    r.unknown_keys(root, _TOP_KEYS, "<root>")
-    model_specs = parse_models(r, root, models)
-    engine = _engine(r, root.get("engine"))
-    machines = _machines(r, root.get("machines"), gpus, model_specs)
-    for key, spec in model_specs.items():
-        if engine.max_model_len is not None and engine.max_model_len > spec.max_model_len:
-            raise r.fail(
-                "engine.max_model_len",
-                f"{engine.max_model_len} exceeds model {key!r}'s limit of {spec.max_model_len} tokens",
+    """Validate decoded YAML into a :class:`ClusterSpec` (``ClusterError`` naming the file and the field)."""
+    with file_errors(source, ClusterError):
+        root = as_mapping(data, "<root>", none_ok=False)
+        check_keys(root, _TOP_KEYS, "<root>")
+        model_specs = parse_models(root, models)
+        engine = read_dataclass(EngineSettings, root.get("engine"), "engine")
+        machines = _machines(root.get("machines"), gpus, model_specs)
+        _check_models(engine, model_specs)
+        constraints = _constraints(root.get("constraints"))
+        if constraints.slo is not None and len(model_specs) > 1:
+            raise ConfigError(
+                "constraints.slo", "an SLO at a target rate is supported for a single-model cluster only"
             )
-    for key, spec in model_specs.items():
-        for i, tp in enumerate(engine.tp_degrees or ()):
-            if spec.n_heads % tp != 0:
-                raise r.fail(
-                    f"engine.tp_degrees[{i}]",
-                    f"TP {tp} does not divide model {key!r}'s {spec.n_heads} attention heads",
-                )
-    constraints = _constraints(r, root.get("constraints"))
-    if constraints.slo is not None and len(model_specs) > 1:
-        raise r.fail(
-            "constraints.slo", "an SLO at a target rate is supported for a single-model cluster only"
+        profiles, paths = _profiles(root.get("profiles"), base_dir or Path("."), gpus, model_specs)
+        return ClusterSpec(
+            source=source,
+            models=model_specs,
+            machines=machines,
+            engine=engine,
+            profiles=profiles,
+            profile_paths=paths,
+            constraints=constraints,
+            workload=read_dataclass(WorkloadSettings, root.get("workload"), "workload"),
+            deploy=_deploy(root.get("deploy")),
         )
-    profiles, paths = _profiles(r, root.get("profiles"), base_dir or Path("."), gpus, model_specs)
-    return ClusterSpec(
-        source=source,
-        models=model_specs,
-        machines=machines,
-        engine=engine,
-        profiles=profiles,
-        profile_paths=paths,
-        constraints=constraints,
-        workload=_workload(r, root.get("workload")),
-        deploy=_deploy(r, root.get("deploy")),
-    )
 
 
 def load_cluster(
@@ -375,13 +331,6 @@ def load_cluster(
 ) -> ClusterSpec:
     """Read and validate a cluster YAML file."""
     file = Path(path)
-    source = file.name
-    try:
-        text = file.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ClusterError(source, "<file>", f"cannot read {file}: {exc.strerror or exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ClusterError(source, "<file>", f"not valid YAML: {exc}") from None
-    return cluster_from_dict(data, gpus, models, source=source, base_dir=file.resolve().parent)
+    with file_errors(file.name, ClusterError):
+        data = load_yaml(file)
+    return cluster_from_dict(data, gpus, models, source=file.name, base_dir=file.resolve().parent)

@@ -106,6 +106,9 @@ def test_judge_refuses_a_fit_with_nothing_held_out() -> None:
         (lambda d: d["params"].update(p2="fast"), "params.p2"),
         (lambda d: d["kv_capacity"].update(tokens=-3), "kv_capacity.tokens"),
         (lambda d: d["quality"].update(decode_mape=float("nan")), "quality.decode_mape"),
+        (lambda d: d["quality"].update(mape=0.1), "quality.mape"),
+        (lambda d: d["limits"].update(max_num_seqs=0), "limits.max_num_seqs"),
+        (lambda d: d.update(source="guessed"), "source"),
     ],
 )
 def test_corrupt_or_incompatible_artifact_names_file_and_field(

@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from hetroute.config import Config, config_from_dict, load_config, quick_config
+from hetroute.config import Config, backend_from_dict, config_from_dict, load_config, quick_config
 from hetroute.errors import ConfigError
 from hetroute.latency import EngineLimits, LatencyParams, LatencyProfile, save_profile
+from hetroute.types import BackendFields
 
 BASE: dict[str, Any] = {
     "backends": [
@@ -204,3 +205,58 @@ def test_component_params_fail_at_build_naming_the_field(section: dict[str, Any]
     with pytest.raises(ConfigError) as info:
         build_app(cfg)
     assert info.value.path == path
+
+
+def test_one_backend_entry_parses_alone_with_the_callers_path() -> None:
+    """``backend_from_dict`` parses a ``backends:`` item, for the config file and any other source."""
+    entry = {"url": "http://127.0.0.1:8009/", "models": "m", "labels": {"tp": 2, "gpu": "L4"}, "weight": 3}
+    alone = backend_from_dict(entry, "backend")
+    via_file = config_from_dict({"backends": [entry]}, env={}).backends[0]
+    assert alone == via_file
+    assert (alone.name, alone.url, alone.models, alone.tp, alone.gpu) == (
+        "127.0.0.1:8009",
+        "http://127.0.0.1:8009",
+        ("m",),
+        2,
+        "L4",
+    )
+    assert not alone.resolved
+    with pytest.raises(ConfigError) as info:
+        backend_from_dict({**entry, "weight": -1}, "body")
+    assert info.value.path == "body.weight"
+    with pytest.raises(ConfigError) as info:
+        backend_from_dict({"name": "x"}, "body")
+    assert info.value.path == "body.url" and info.value.message == "missing"
+    with pytest.raises(ConfigError) as info:
+        backend_from_dict(None, "body")
+    assert info.value.path == "body"
+
+
+def test_the_routing_view_carries_every_shared_field() -> None:
+    entry = {
+        "name": "n",
+        "url": "http://h:1",
+        "engine": "vllm",
+        "models": ["m"],
+        "weight": 2,
+        "labels": {"zone": "a"},
+        "gpu": "L4",
+        "tp": 2,
+        "kv_capacity_tokens": 1000,
+        "max_num_seqs": 8,
+    }
+    backend = backend_from_dict(entry, "backends[0]")
+    spec = backend.to_spec(0)
+    for f in dataclasses.fields(BackendFields):
+        assert getattr(spec, f.name) == getattr(backend, f.name), f.name
+    assert (spec.engine, spec.models) == ("vllm", ("m",))
+
+
+def test_an_empty_session_header_is_accepted_as_documented() -> None:
+    assert config_from_dict(_with(prefix={"session_header": ""}), env={}).prefix.session_header == ""
+    assert (
+        config_from_dict(_with(prefix={"session_header": "X-Conv"}), env={}).prefix.session_header == "x-conv"
+    )
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(_with(prefix={"session_header": "a b"}), env={})
+    assert info.value.path == "prefix.session_header"

@@ -23,8 +23,11 @@ The rules:
    other way this does not hold, on purpose: the policies' default latency model is the roofline
    prior (``hetroute.prior``), fitted to the engine model (``hetroute.sim.engine_model``), so the
    router stands above the engine model; rule 2 keeps that arrow from ever turning back.
-5. The catalog loads nothing of ``hetroute`` but ``hetroute.errors``.
+5. The catalog loads nothing of ``hetroute`` but ``hetroute.errors`` and the validation layer
+   ``hetroute.fields``.
 6. ``hetroute.config`` loads no policy: it validates ``policy.type`` against ``hetroute.policy_names``.
+7. The validation layer ``hetroute.fields`` loads nothing of ``hetroute`` but ``hetroute.errors``, so
+   every layer, the catalog included, may read its input through it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ PACKAGES = ("hetroute", "predictors", "profiling")
 SIMULATED = ("hetroute.sim", "hetroute.tuner")
 ROUTER = ("hetroute.policies", "hetroute.routing", "hetroute.proxy")
 CATALOG = "hetroute.catalog"
+FIELDS = "hetroute.fields"
 
 Graph = Mapping[str, frozenset[str]]
 
@@ -233,7 +237,7 @@ def test_the_catalog_imports_neither_side() -> None:
     graph = import_graph()
     catalog = sorted(m for m in graph if _within(m, (CATALOG,)))
     assert {"hetroute.catalog.specs", "hetroute.catalog.roofline"} <= set(catalog)
-    allowed = ("hetroute", "hetroute.errors", CATALOG)
+    allowed = ("hetroute", "hetroute.errors", FIELDS, CATALOG)
     chains = []
     for module in catalog:
         came_from = loads(graph, module)
@@ -252,3 +256,14 @@ def test_the_config_loads_no_policy() -> None:
         _chain(came_from, "hetroute.config", hit) for hit in sorted(came_from) if _within(hit, ROUTER[:1])
     ]
     assert not chains, "hetroute.config loads policies: " + " | ".join(chains)
+
+
+def test_the_validation_layer_sits_at_the_bottom() -> None:
+    graph = import_graph()
+    came_from = loads(graph, FIELDS)
+    chains = [
+        _chain(came_from, FIELDS, hit)
+        for hit in sorted(came_from)
+        if hit not in ("hetroute", "hetroute.errors")
+    ]
+    assert not chains, "hetroute.fields loads: " + " | ".join(chains)

@@ -10,8 +10,7 @@ import yaml
 
 from hetroute.catalog.specs import GpuSpec, ModelSpec, load_gpu_catalog, load_model_catalog
 from hetroute.latency import EngineLimits, LatencyParams, LatencyProfile, save_profile
-from hetroute.tuner.cluster import ClusterSpec, cluster_from_dict, load_cluster
-from hetroute.tuner.fields import ClusterError
+from hetroute.tuner.cluster import ClusterError, ClusterSpec, cluster_from_dict, load_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 GPUS: dict[str, GpuSpec] = load_gpu_catalog()
@@ -80,8 +79,8 @@ def test_inline_model() -> None:
     ("mutate", "field", "words"),
     [
         (lambda d: d["machines"][0].update(gpu="V200"), "c.yaml: machines[0].gpu", "unknown GPU 'V200'"),
-        (lambda d: d["machines"][0].update(gpus=0), "c.yaml: machines[0].gpus", "positive integer"),
-        (lambda d: d["machines"][0].update(gpus="8"), "c.yaml: machines[0].gpus", "positive integer"),
+        (lambda d: d["machines"][0].update(gpus=0), "c.yaml: machines[0].gpus", "must be >= 1, got 0"),
+        (lambda d: d["machines"][0].update(gpus="8"), "c.yaml: machines[0].gpus", "expected an integer"),
         (lambda d: d["machines"][0].pop("name"), "c.yaml: machines[0].name", "missing"),
         (lambda d: d["machines"][0].update(price_per_hour=-1), "c.yaml: machines[0].price_per_hour", ">= 0"),
         (lambda d: d["machines"][0].update(colour="red"), "c.yaml: machines[0].colour", "unknown field"),
@@ -98,7 +97,7 @@ def test_inline_model() -> None:
             "c.yaml: engine.gpu_memory_utilization",
             "<= 1",
         ),
-        (lambda d: d.update(engine={"max_num_seqs": -4}), "c.yaml: engine.max_num_seqs", "positive integer"),
+        (lambda d: d.update(engine={"max_num_seqs": -4}), "c.yaml: engine.max_num_seqs", "must be >= 1"),
         (lambda d: d.update(engine={"max_model_len": 100_000}), "c.yaml: engine.max_model_len", "exceeds"),
         (
             lambda d: d.update(engine={"tp_degrees": [1, 3]}),
@@ -108,7 +107,7 @@ def test_inline_model() -> None:
         (
             lambda d: d.update(engine={"tp_degrees": [1, "2"]}),
             "c.yaml: engine.tp_degrees[1]",
-            "positive integer",
+            "expected an integer",
         ),
         (
             lambda d: d.update(constraints={"slo": {"rate_rps": 5}}),
@@ -118,9 +117,9 @@ def test_inline_model() -> None:
         (
             lambda d: d.update(constraints={"min_instances": 0}),
             "c.yaml: constraints.min_instances",
-            "positive",
+            "must be >= 1",
         ),
-        (lambda d: d.update(workload={"requests": 0}), "c.yaml: workload.requests", "positive"),
+        (lambda d: d.update(workload={"requests": 0}), "c.yaml: workload.requests", "must be >= 1"),
         (lambda d: d.update(deploy={"engine": "tgi"}), "c.yaml: deploy.engine", "only 'vllm'"),
         (
             lambda d: d.update(deploy={"policy": "fastest"}),
