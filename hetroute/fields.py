@@ -339,7 +339,8 @@ def load_yaml(file: str | Path, *, path: str = "<file>") -> Any:
     try:
         text = Path(file).read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(path, f"cannot read {file}: {exc.strerror or exc}") from exc
+        where = "" if path == str(file) else f" {file}"  # the full path, unless the error's path is it
+        raise ConfigError(path, f"cannot read{where}: {exc.strerror or exc}") from exc
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
