@@ -15,10 +15,10 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from hetroute.errors import ConfigError, FileConfigError
 from hetroute.fields import (
@@ -145,30 +145,29 @@ def _model_from(raw: Any, path: str) -> ModelSpec:
     return replace(spec, name=spec.name.strip())
 
 
-def _check_unique(key: str, names: list[str]) -> None:
-    seen: set[str] = set()
-    for i, name in enumerate(names):
-        if name.lower() in seen:
-            raise ConfigError(f"{key}[{i}].name", f"duplicate name {name!r}")
-        seen.add(name.lower())
+_Spec = TypeVar("_Spec", GpuSpec, ModelSpec)
+
+
+def _load(file: Path, key: str, parse: Callable[[Any, str], _Spec]) -> dict[str, _Spec]:
+    """The specs listed under ``key`` in ``file``, keyed by name (unique regardless of case)."""
+    by_lower: dict[str, _Spec] = {}
+    with file_errors(file.name, CatalogError):
+        for i, item in enumerate(_read_list(file, key)):
+            spec = parse(item, f"{key}[{i}]")
+            if spec.name.lower() in by_lower:
+                raise ConfigError(f"{key}[{i}].name", f"duplicate name {spec.name!r}")
+            by_lower[spec.name.lower()] = spec
+    return {spec.name: spec for spec in by_lower.values()}
 
 
 def load_gpu_catalog(path: Path | None = None) -> dict[str, GpuSpec]:
     """Load and validate a GPU catalog (default: the packaged ``gpus.yaml``), keyed by name."""
-    file = path or DEFAULT_GPU_CATALOG
-    with file_errors(file.name, CatalogError):
-        gpus = [_gpu_from(item, f"gpus[{i}]") for i, item in enumerate(_read_list(file, "gpus"))]
-        _check_unique("gpus", [g.name for g in gpus])
-    return {g.name: g for g in gpus}
+    return _load(path or DEFAULT_GPU_CATALOG, "gpus", _gpu_from)
 
 
 def load_model_catalog(path: Path | None = None) -> dict[str, ModelSpec]:
     """Load and validate a model catalog (default: the packaged ``models.yaml``), keyed by name."""
-    file = path or DEFAULT_MODEL_CATALOG
-    with file_errors(file.name, CatalogError):
-        models = [_model_from(item, f"models[{i}]") for i, item in enumerate(_read_list(file, "models"))]
-        _check_unique("models", [m.name for m in models])
-    return {m.name: m for m in models}
+    return _load(path or DEFAULT_MODEL_CATALOG, "models", _model_from)
 
 
 def lookup_gpu(catalog: Mapping[str, GpuSpec], name: str) -> GpuSpec:

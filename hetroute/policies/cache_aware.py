@@ -50,28 +50,14 @@ class CacheAware:
 
     name = "cache_aware"
 
-    def __init__(
-        self,
-        rng: random.Random,
-        *,
-        cache_threshold: float = CACHE_THRESHOLD,
-        balance_abs_threshold: float = BALANCE_ABS_THRESHOLD,
-        balance_rel_threshold: float = BALANCE_REL_THRESHOLD,
-    ) -> None:
-        self.cache_threshold = cache_threshold
-        self.balance_abs_threshold = balance_abs_threshold
-        self.balance_rel_threshold = balance_rel_threshold
+    def __init__(self, rng: random.Random, params: CacheAwareParams = CacheAwareParams()) -> None:
+        self.params = params
         self._rng = rng
 
     @classmethod
     def from_config(cls, params: Mapping[str, object], ctx: PolicyContext) -> CacheAware:
         p = read_params(CacheAwareParams, params, cls.name)
-        return cls(
-            seeded_rng(p.seed, ctx),
-            cache_threshold=p.cache_threshold,
-            balance_abs_threshold=p.balance_abs_threshold,
-            balance_rel_threshold=p.balance_rel_threshold,
-        )
+        return cls(seeded_rng(p.seed, ctx), p)
 
     def _least_loaded(self, candidates: IntArray, load: FloatArray) -> int:
         low = candidates[load == load.min()]
@@ -82,14 +68,14 @@ class CacheAware:
     ) -> RoutingDecision:
         load: FloatArray = snapshot.requests_in_flight[candidates].astype(np.float64)
         hi, lo = float(load.max()), float(load.min())
-        if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
+        if hi - lo > self.params.balance_abs_threshold and hi > self.params.balance_rel_threshold * lo:
             index = self._least_loaded(candidates, load)
             return RoutingDecision(index=index, reason=f"imbalanced ({hi:.0f} vs {lo:.0f}): least loaded")
         matched = snapshot.prefix_matched_tokens
         if matched is not None:
             rate = matched[candidates] / max(float(features.input_tokens), 1.0)
             best = float(rate.max())
-            if best > self.cache_threshold:
+            if best > self.params.cache_threshold:
                 top = rate == best
                 index = self._least_loaded(candidates[top], load[top])
                 return RoutingDecision(index=index, reason=f"cache hit: match rate {best:.2f}")

@@ -43,28 +43,14 @@ class PrefixScorer:
 
     name = "prefix_scorer"
 
-    def __init__(
-        self,
-        rng: random.Random,
-        *,
-        queue_weight: float = 2.0,
-        kv_weight: float = 2.0,
-        prefix_weight: float = 3.0,
-    ) -> None:
-        self.queue_weight = queue_weight
-        self.kv_weight = kv_weight
-        self.prefix_weight = prefix_weight
+    def __init__(self, rng: random.Random, params: PrefixScorerParams = PrefixScorerParams()) -> None:
+        self.params = params
         self._rng = rng
 
     @classmethod
     def from_config(cls, params: Mapping[str, object], ctx: PolicyContext) -> PrefixScorer:
         p = read_params(PrefixScorerParams, params, cls.name)
-        return cls(
-            seeded_rng(p.seed, ctx),
-            queue_weight=p.queue_weight,
-            kv_weight=p.kv_weight,
-            prefix_weight=p.prefix_weight,
-        )
+        return cls(seeded_rng(p.seed, ctx), p)
 
     def scores(
         self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray
@@ -85,7 +71,8 @@ class PrefixScorer:
         if matched is not None and features.prefix_hashes:
             total = len(features.prefix_hashes) * max(features.prefix_chunk_tokens, 1e-9)
             prefix = np.minimum(matched[candidates] / total, 1.0)
-        out: FloatArray = self.queue_weight * queue + self.kv_weight * kv + self.prefix_weight * prefix
+        w = self.params
+        out: FloatArray = w.queue_weight * queue + w.kv_weight * kv + w.prefix_weight * prefix
         return out
 
     def choose(
