@@ -28,8 +28,10 @@ from prometheus_client import CollectorRegistry
 from hetroute.access_log import AccessLog, LineSink
 from hetroute.admission.full import Placer
 from hetroute.admission.gate import AdmissionGate
-from hetroute.backends.health import HealthTracker, probe_loop
-from hetroute.backends.scrape import MetricsStore, scrape_loop
+from hetroute.backends.health import HealthTracker
+from hetroute.backends.membership import Membership
+from hetroute.backends.scrape import MetricsStore
+from hetroute.backends.tasks import BackendTasks
 from hetroute.clock import MonotonicClock, Sleeper
 from hetroute.config import ComponentConfig, Config
 from hetroute.learning.build import build_live_models
@@ -48,7 +50,7 @@ from hetroute.proxy.server import Gateway, add_routes
 from hetroute.routing.ledger import Ledger
 from hetroute.routing.router import Router
 from hetroute.telemetry import Telemetry
-from hetroute.types import BackendSpec, Clock, OutputLengthPredictor
+from hetroute.types import BackendSpec, Clock, OutputLengthPredictor, Policy
 from predictors import DEFAULT_PREDICTOR, build_predictor
 
 CONFIG = web.AppKey("config", Config)
@@ -61,6 +63,7 @@ FORWARDER = web.AppKey("forwarder", Forwarder)
 PREDICTOR = web.AppKey("predictor", OutputLengthPredictor)
 ESTIMATOR = web.AppKey("estimator", TokenEstimator)
 ADMISSION = web.AppKey("admission", AdmissionGate)
+MEMBERSHIP = web.AppKey("membership", Membership)
 LEARNER = web.AppKey("learner", LiveModels)
 CLIENT_GUARD = web.AppKey("client_guard", ClientGuard)
 SAVE_DIR = web.AppKey("save_dir", str)
@@ -111,7 +114,11 @@ def build_app(
     # The backends' static latency models (profile → roofline prior → neutral default) are resolved
     # once, here: the policy, the learner and /admin all read this one copy.
     backend_models = BackendModels.from_specs(specs)
-    policy = build_policy(cfg.policy.type, cfg.policy.params, PolicyContext(specs, seed, backend_models))
+
+    def policy_for(backends: tuple[BackendSpec, ...], models: BackendModels) -> Policy:
+        return build_policy(cfg.policy.type, cfg.policy.params, PolicyContext(backends, seed, models))
+
+    policy = policy_for(specs, backend_models)
     learner: LiveModels | None = None
     if cfg.learning.enabled:
         saved = load_saved(cfg.learning.state_dir, specs) if cfg.learning.state_dir else {}
@@ -139,14 +146,28 @@ def build_app(
         foreign=cfg.scrape.foreign_load,
     )
     metrics.on_publish = router.scraped
+    membership = Membership(
+        router=router,
+        health=health,
+        metrics=metrics,
+        backend_models=backend_models,
+        build_policy=policy_for,
+        learner=learner,
+    )
     telemetry.bind_backends(
         names, health.is_available, metrics.age_s, lambda i: int(ledger.requests_in_flight[i])
     )
     if learner is not None:
-        telemetry.bind_learner(names, learner)
+        telemetry.bind_learner(learner)
     if router.prefix is not None:
-        telemetry.bind_prefix(names, router.prefix)
-    telemetry.bind_foreign(names, router.foreign_requests)
+        telemetry.bind_prefix(router.prefix)
+    telemetry.bind_foreign(router.foreign_requests)
+
+    def members_changed(_: int, __: BackendSpec) -> None:
+        telemetry.set_members([(i, router.backends[i].name) for i in router.members()])
+
+    membership.on_join.append(members_changed)
+    membership.on_leave.append(members_changed)
     estimator = TokenEstimator(cfg.tokens.initial_chars_per_token, cfg.tokens.learn_rate)
     t = cfg.timeouts
     forwarder = Forwarder(
@@ -190,6 +211,9 @@ def build_app(
         backend_models=backend_models,
         learner=learner,
         body_timeout_s=cfg.server.body_timeout_s,
+        membership=membership,
+        workers=cfg.server.workers,
+        drain_timeout_s=cfg.server.shutdown_grace_s,
     )
 
     app = web.Application(
@@ -202,6 +226,7 @@ def build_app(
     app[LEDGER] = ledger
     app[HEALTH] = health
     app[METRICS] = metrics
+    app[MEMBERSHIP] = membership
     app[TELEMETRY] = telemetry
     app[FORWARDER] = forwarder
     app[PREDICTOR] = predictor
@@ -258,20 +283,24 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
     session = app[FORWARDER].session
     assert session is not None
     router = app[ROUTER]
-    tasks = [asyncio.create_task(probe_loop(app[HEALTH], session, [b.url for b in router.backends]))]
-    if cfg.scrape.enabled:
-        tasks += [
-            asyncio.create_task(scrape_loop(app[METRICS], session, router.backends, i, cfg.scrape))
-            for i in range(len(router.backends))
-        ]
+    membership = app[MEMBERSHIP]
+    per_backend = BackendTasks(app[HEALTH], app[METRICS], session, cfg.scrape)
+    for i in router.members():
+        per_backend.start(i, router.backends[i])
+    membership.on_join.append(per_backend.start)
+    membership.on_leave.append(per_backend.stop)
+    tasks = []
     learner = app.get(LEARNER)
     save_dir = app.get(SAVE_DIR)
     if learner is not None:
         tasks.append(asyncio.create_task(learning_loop(learner, router, cfg, save_dir)))
     yield
+    membership.on_join.remove(per_backend.start)
+    membership.on_leave.remove(per_backend.stop)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    await per_backend.close()
     if learner is not None and save_dir:
         _save(learner, router, save_dir)
 

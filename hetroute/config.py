@@ -453,10 +453,22 @@ def _labels(raw: Any, path: str) -> dict[str, str]:
     return out
 
 
-def _backend(
-    raw: Any, i: int, defaults: Mapping[str, Any], profiles: Mapping[str, str], base_dir: Path
+def backend_from_dict(
+    raw: Any,
+    path: str = "backend",
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    profiles: Mapping[str, str] | None = None,
+    base_dir: Path | None = None,
 ) -> BackendConfig:
-    path = f"backends[{i}]"
+    """One backend entry, shaped as an item of the config's ``backends:`` (also the body of
+    ``POST /admin/backends``); ConfigError names the field under ``path``."""
+    return _backend(raw, path, defaults or {}, profiles or {}, base_dir or Path.cwd())
+
+
+def _backend(
+    raw: Any, path: str, defaults: Mapping[str, Any], profiles: Mapping[str, str], base_dir: Path
+) -> BackendConfig:
     d = _mapping(raw, path)
     _check_keys(d, _BACKEND_KEYS, path)
     merged = {**defaults, **d}
@@ -527,7 +539,9 @@ def config_from_dict(
     for key, file in profiles.items():
         if not isinstance(file, str) or not file:
             raise ConfigError(f"profiles.{key}", f"expected a file path, got {file!r}")
-    backends = tuple(_backend(b, i, defaults, profiles, base_dir) for i, b in enumerate(backends_raw))
+    backends = tuple(
+        _backend(b, f"backends[{i}]", defaults, profiles, base_dir) for i, b in enumerate(backends_raw)
+    )
     seen: dict[str, int] = {}
     for i, b in enumerate(backends):
         if b.name in seen:

@@ -104,6 +104,42 @@ class LiveModels:
         self.params: FloatArray = params
         self.samples: FloatArray = self._samples()
 
+    def set_slot(
+        self,
+        i: int,
+        name: str,
+        prior: PriorModel,
+        capacity_tokens: float,
+        max_num_seqs: float,
+        initial_params: Sequence[float] | None = None,
+    ) -> None:
+        """Slot ``i`` holds backend ``name``, learned from nothing but ``prior`` (one past the last: grow;
+        live backend changes). Published arrays are replaced whole, as :meth:`refit` does."""
+        cfg = self.config
+        fresh = _Backend(
+            prior, deque(maxlen=cfg.window), deque(maxlen=DRIFT_WINDOW), deque(maxlen=ERROR_WINDOW)
+        )
+        row = np.array(initial_params if initial_params is not None else prior.params, dtype=np.float64)
+        names = list(self.names)
+        params = self.params.copy()
+        if i == len(self._b):
+            self._b.append(fresh)
+            names.append(name)
+            self._fallback_caps = np.append(self._fallback_caps, capacity_tokens)
+            self._caps = np.append(self._caps, capacity_tokens)
+            self._max_seqs = np.append(self._max_seqs, max_num_seqs)
+            params = np.vstack([params, row.reshape(1, 8)])
+        else:
+            self._b[i] = fresh
+            names[i] = name
+            self._fallback_caps[i] = self._caps[i] = capacity_tokens
+            self._max_seqs[i] = max_num_seqs
+            params[i] = row
+        self.names = tuple(names)
+        params.flags.writeable = False
+        self.params = params
+        self.samples = self._samples()
+
     # ------------------------------------------------------------ the request path
 
     def observe(self, obs: Observation) -> None:
