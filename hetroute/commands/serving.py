@@ -95,3 +95,19 @@ async def serve_until(
         await runner.cleanup()  # no-op after drain; cuts everything on an error
         flusher.cancel()
         out.flush()
+
+
+def reload_on_sighup(app: web.Application, config_path: str | None) -> None:
+    """From now on, SIGHUP applies the backends of ``config_path`` to ``app``
+    (:mod:`hetroute.commands.reload`); without a config file it only logs that there is nothing to
+    reload."""
+    if config_path is None:
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGHUP, log.warning, "SIGHUP: nothing to reload (started with --backend, not --config)"
+        )
+        return
+    from hetroute.commands.reload import Reloader
+
+    reloader = Reloader(app, config_path)
+    reloader.remember()
+    reloader.on_sighup()
