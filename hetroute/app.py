@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from hetroute.access_log import AccessLog, LineSink
 from hetroute.admission.full import Placer
 from hetroute.admission.gate import AdmissionGate
+from hetroute.backends.dns import DnsDiscovery, dns_loop, make_resolver
 from hetroute.backends.health import HealthTracker
 from hetroute.backends.membership import Membership
 from hetroute.backends.scrape import MetricsStore
@@ -290,6 +291,13 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
     membership.on_join.append(per_backend.start)
     membership.on_leave.append(per_backend.stop)
     tasks = []
+    if cfg.dns_entries():  # resolved at once, then every dns.interval_s
+        resolver = make_resolver(cfg.dns)
+        found = [
+            DnsDiscovery(e, membership, resolver, session, discovery_timeout_s=cfg.timeouts.discovery_s)
+            for e in cfg.dns_entries()
+        ]
+        tasks.append(asyncio.create_task(dns_loop(found, cfg.dns.interval_s)))
     learner = app.get(LEARNER)
     save_dir = app.get(SAVE_DIR)
     if learner is not None:

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from hetroute.admission.config import AdmissionConfig, parse_admission
+from hetroute.dns_settings import DNS_DISCOVERY, DnsConfig
 from hetroute.errors import ConfigError
 from hetroute.latency import LatencyProfile, ProfileError, load_profile
 from hetroute.learning.settings import LearningConfig
@@ -131,6 +132,8 @@ class BackendConfig:
     profile_path: str | None = None
     kv_capacity_tokens: int | None = None
     max_num_seqs: int | None = None
+    discovery: str | None = None
+    """``dns``: the URL's host names a set of servers, re-resolved (:mod:`hetroute.backends.dns`)."""
 
     @property
     def resolved(self) -> bool:
@@ -172,12 +175,18 @@ class Config:
     learning: LearningConfig = field(default_factory=LearningConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
+    dns: DnsConfig = field(default_factory=DnsConfig)
     admin_token: str | None = None
     default_model: str | None = None
     seed: int = 0
 
     def specs(self) -> tuple[BackendSpec, ...]:
-        return tuple(b.to_spec(i) for i, b in enumerate(self.backends))
+        """The fixed backends (entries with DNS discovery are not backends themselves)."""
+        return tuple(b.to_spec(i) for i, b in enumerate(self.backends) if b.discovery is None)
+
+    def dns_entries(self) -> tuple[BackendConfig, ...]:
+        """The entries whose URL's host is re-resolved into backends (``discovery: dns``)."""
+        return tuple(b for b in self.backends if b.discovery == DNS_DISCOVERY)
 
     def with_backends(self, backends: Sequence[BackendConfig]) -> Config:
         return replace(self, backends=tuple(backends))
@@ -271,13 +280,13 @@ _LEARNING_KEYS = tuple(LearningConfig.__dataclass_fields__)
 _PREFIX_KEYS = tuple(PrefixConfig.__dataclass_fields__)
 _BACKEND_KEYS = (
     "name", "url", "engine", "models", "weight", "labels", "gpu", "tp",
-    "profile", "kv_capacity_tokens", "max_num_seqs",
+    "profile", "kv_capacity_tokens", "max_num_seqs", "discovery",
 )  # fmt: skip
 _DEFAULTS_KEYS = ("engine", "weight", "labels", "profile", "kv_capacity_tokens", "max_num_seqs")
 _TOP_KEYS = (
     "backends", "defaults", "profiles", "policy", "predictor", "server", "timeouts", "retries",
     "health", "scrape", "tokens", "learning", "admin_token", "default_model", "seed", "admission",
-    "prefix",
+    "prefix", "dns",
 )  # fmt: skip
 
 
@@ -409,6 +418,26 @@ def _prefix(raw: Any) -> PrefixConfig:
     )
 
 
+def _dns(raw: Any) -> DnsConfig:
+    d = _mapping(raw, "dns")
+    _check_keys(d, ("interval_s", "timeout_s", "nameservers"), "dns")
+    dflt = DnsConfig()
+    servers = d.get("nameservers", [])
+    if isinstance(servers, str):
+        servers = [servers]
+    if not isinstance(servers, list) or not all(isinstance(x, str) and x for x in servers):
+        raise ConfigError("dns.nameservers", f"expected a list of host or host:port, got {servers!r}")
+    for j, server in enumerate(servers):
+        host, _, port = server.rpartition(":") if server.count(":") == 1 else (server, "", "")
+        if port and (not port.isdigit() or not 0 < int(port) < 65536):
+            raise ConfigError(f"dns.nameservers[{j}]", f"bad port in {server!r}")
+    return DnsConfig(
+        interval_s=_num(d, "interval_s", "dns", dflt.interval_s),
+        timeout_s=_num(d, "timeout_s", "dns", dflt.timeout_s),
+        nameservers=tuple(servers),
+    )
+
+
 def _component(raw: Any, path: str, default_type: str | None) -> ComponentConfig | None:
     if raw is None:
         return ComponentConfig(default_type) if default_type is not None else None
@@ -499,6 +528,9 @@ def _backend(
         if not labels["tp"].isdigit() or int(labels["tp"]) < 1:
             raise ConfigError(f"{path}.labels.tp", f"expected a positive integer, got {labels['tp']!r}")
         tp = int(labels["tp"])
+    discovery = merged.get("discovery")
+    if discovery is not None and discovery != DNS_DISCOVERY:
+        raise ConfigError(f"{path}.discovery", f"expected {DNS_DISCOVERY!r} or nothing, got {discovery!r}")
     profile: LatencyProfile | None = None
     profile_path: str | None = None
     ref = merged.get("profile")
@@ -519,6 +551,7 @@ def _backend(
         profile_path=profile_path,
         kv_capacity_tokens=_int(merged, "kv_capacity_tokens", path, None),
         max_num_seqs=_int(merged, "max_num_seqs", path, None),
+        discovery=discovery,
     )
 
 
@@ -569,6 +602,7 @@ def config_from_dict(
         learning=_learning(root.get("learning")),
         admission=parse_admission(root.get("admission")),
         prefix=_prefix(root.get("prefix")),
+        dns=_dns(root.get("dns")),
         admin_token=token,
         default_model=_str(root, "default_model", "<root>", None),
         seed=seed,

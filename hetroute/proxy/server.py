@@ -135,6 +135,8 @@ class Gateway:
         """An OpenAI request without ``model``: the one model served, as vLLM does when it serves one
         (its first); with several, the client must choose (400 listing them)."""
         served = self.router.models("openai")
+        if not served:
+            raise ApiError(503, "no backend is in the cluster right now")
         if len(served) != 1:
             listed = ", ".join(served)
             raise ApiError(

@@ -82,8 +82,6 @@ class Router:
         """``available_all`` / ``latest_metrics_all``, when given, must equal ``is_available`` /
         ``latest_metrics`` over every backend in one call (the gateway's health tracker and metrics
         store provide them: one call per decision instead of one per backend)."""
-        if not backends:
-            raise ValueError("a router needs at least one backend")
         if ledger.backend_names != tuple(b.name for b in backends):
             raise ValueError("the ledger's backends differ from the router's")
         self.backends: tuple[BackendSpec, ...] = tuple(backends)
