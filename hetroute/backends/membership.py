@@ -30,20 +30,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hetroute.backends.health import HealthTracker
 from hetroute.backends.scrape import MetricsStore
 from hetroute.clock import Sleeper
 from hetroute.errors import ConfigError
 from hetroute.learning.build import prior_of
-from hetroute.learning.live import LiveModels
+from hetroute.learning.live import LiveModels, PriorModel
 from hetroute.policies.backend_model import BackendModels
 from hetroute.routing.router import Router
 from hetroute.types import BackendSpec, Policy
 
 log = logging.getLogger(__name__)
 
+SIBLING_MIN_SAMPLES = 32
+"""Requests a sibling's fit must rest on before a joining replica starts from it."""
 DRAIN_POLL_S = 0.05
 """How often :meth:`Membership.drain` looks at the ledger."""
 
@@ -142,7 +144,7 @@ class Membership:
         self.metrics.set_slot(i)
         model = self.backend_models.set_slot(i, spec)
         if self.learner is not None:
-            prior, start = prior_of(model)
+            prior, start = self._sibling_prior(i, spec) or prior_of(model)
             self.learner.set_slot(
                 i,
                 spec.name,
@@ -157,6 +159,31 @@ class Membership:
         for hook in self.on_join:
             hook(i, spec)
         return i
+
+    def _sibling_prior(self, index: int, spec: BackendSpec) -> tuple[PriorModel, tuple[float, ...]] | None:
+        """For a backend with no profile of its own: the model a *sibling* learned, a member identical
+        but for its name and URL (same engine, models, GPU, TP, labels, limits: another replica, as a
+        DNS answer or an autoscaler adds them), fitted on at least ``SIBLING_MIN_SAMPLES`` requests.
+        Without it a replica would join on the neutral default while its siblings are learned, and
+        the min-max policy would send it nearly nothing until exploration taught it."""
+        learner = self.learner
+        if learner is None or spec.profile is not None:
+            return None
+        backends = self.router.backends
+        best: tuple[int, int] | None = None
+        for j in self.router.members():
+            if j == index or replace(backends[j], name=spec.name, url=spec.url) != spec:
+                continue
+            fit = learner.fit_of(j)
+            samples = fit.samples if fit is not None else 0
+            if samples >= SIBLING_MIN_SAMPLES and (best is None or samples > best[1]):
+                best = (j, samples)
+        if best is None:
+            return None
+        j, samples = best
+        params = tuple(float(v) for v in learner.params[j])
+        source = f"learned by its sibling {backends[j].name} ({samples} samples)"
+        return PriorModel(params, source, "saved"), params
 
     def remove(self, name: str) -> int:
         """Stop routing to member ``name`` at once; its in-flight requests finish. Returns its slot.
