@@ -189,7 +189,8 @@ def main() -> int:
             f"- `{join}`: took traffic within one scrape interval in "
             f"{sm['within_one_scrape_interval']} of "
             f"{sm['trials']} trials (median {sm['first_request_after_join_s_median']:.4f} s), "
-            f"served a median of {sm['served_by_b_median']:g} requests in its first 2 s; {sm['failed_or_incomplete']} of "
+            f"served a median of {sm['served_by_b_median']:g} requests in its first 2 s; "
+            f"{sm['failed_or_incomplete']} of "
             f"{sm['requests']} requests failed or came back incomplete."
         )
     md = "\n".join(lines) + "\n"
