@@ -39,7 +39,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "models are discovered from /info (TGI) or /v1/models. No latency profile is needed: the "
             "router learns each backend's prefill and decode speed from the requests it serves "
             "(docs/learning.md), starting from a profile, the catalog's roofline prior or a neutral "
-            "default, and keeps re-learning when a backend's speed changes."
+            "default, and keeps re-learning when a backend's speed changes. Backends change without a "
+            "restart: SIGHUP re-reads the config file's backends, POST/DELETE /admin/backends add and "
+            "drain one, and an entry with `discovery: dns` follows its host name's addresses "
+            "(docs/live-backends.md)."
         ),
     )
     p.add_argument("--config", metavar="FILE", help="YAML config (see config/router.example.yaml)")
