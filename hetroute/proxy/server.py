@@ -151,8 +151,8 @@ class Gateway:
 
     async def info(self, request: web.Request) -> web.Response:
         """TGI ``/info`` of an available TGI backend serving the TGI model."""
-        session = self.forwarder.session
-        if self.tgi_model is None or session is None:
+        session = self.forwarder.upstream.session
+        if self.tgi_model is None:
             raise ApiError(404, "no backend speaks the TGI API")
         for i in self.router.serving(self.tgi_model, "tgi"):
             if not self.health.is_available(i):
