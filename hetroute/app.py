@@ -5,10 +5,10 @@ health tracker, metrics store, telemetry and forwarder from a resolved :class:`C
 and exposes them through typed ``web.AppKey``s. Nothing runs at import time and there
 are no globals: every call builds a fresh, independent app.
 
-Lifecycle (``cleanup_ctx``, reverse order on shutdown): one pooled ``ClientSession`` for
-the app's lifetime (plus a never-pooled one for stale-socket retries), then the background
-tasks (active probes, one scraper per backend), which are cancelled and awaited before the
-sessions close.
+Lifecycle (``cleanup_ctx``, reverse order on shutdown): the client sessions
+(:class:`~hetroute.proxy.upstream.Upstream`, built here and injected into the forwarder, opened once the
+loop runs), then the background tasks (active probes, one scraper per backend), which are cancelled and
+awaited before the sessions close.
 
 ``hetroute serve --workers N`` builds one app per worker process with this same function
 (``worker=k``); nothing is shared between them but the listening port.
@@ -21,7 +21,6 @@ import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
@@ -48,10 +47,11 @@ from hetroute.proxy.forward import Forwarder, ForwardSettings
 from hetroute.proxy.local_errors import error_middleware
 from hetroute.proxy.protocols import TokenEstimator
 from hetroute.proxy.server import Gateway, add_routes
+from hetroute.proxy.upstream import Upstream
 from hetroute.routing.ledger import Ledger
 from hetroute.routing.router import Router
 from hetroute.telemetry import Telemetry
-from hetroute.types import BackendSpec, Clock, OutputLengthPredictor, Policy
+from hetroute.types import BackendSpec, Clock, Policy
 from predictors import DEFAULT_PREDICTOR, build_predictor
 
 CONFIG = web.AppKey("config", Config)
@@ -61,8 +61,7 @@ HEALTH = web.AppKey("health", HealthTracker)
 METRICS = web.AppKey("metrics", MetricsStore)
 TELEMETRY = web.AppKey("telemetry", Telemetry)
 FORWARDER = web.AppKey("forwarder", Forwarder)
-PREDICTOR = web.AppKey("predictor", OutputLengthPredictor)
-ESTIMATOR = web.AppKey("estimator", TokenEstimator)
+UPSTREAM = web.AppKey("upstream", Upstream)
 ADMISSION = web.AppKey("admission", AdmissionGate)
 MEMBERSHIP = web.AppKey("membership", Membership)
 LEARNER = web.AppKey("learner", LiveModels)
@@ -171,6 +170,11 @@ def build_app(
     membership.on_leave.append(members_changed)
     estimator = TokenEstimator(cfg.tokens.initial_chars_per_token, cfg.tokens.learn_rate)
     t = cfg.timeouts
+    adm = cfg.admission
+    admission: AdmissionGate | None = None
+    if adm.enabled:
+        admission = AdmissionGate(adm, router, Placer(router, adm.full, backend_models), clock, registry)
+    upstream = Upstream(t.connect_s)
     forwarder = Forwarder(
         router=router,
         health=health,
@@ -188,11 +192,9 @@ def build_app(
             retry_request_timeouts=cfg.retries.retry_request_timeouts,
         ),
         id_prefix=f"{random.Random(seed).getrandbits(32):08x}",
+        upstream=upstream,
+        admission=admission,
     )
-    adm = cfg.admission
-    if adm.enabled:
-        placer = Placer(router, adm.full, backend_models)
-        forwarder.admission = AdmissionGate(adm, router, placer, clock, registry)
     guard = ClientGuard(
         limits_of(cfg.server),
         telemetry=telemetry,
@@ -230,10 +232,9 @@ def build_app(
     app[MEMBERSHIP] = membership
     app[TELEMETRY] = telemetry
     app[FORWARDER] = forwarder
-    app[PREDICTOR] = predictor
-    app[ESTIMATOR] = estimator
-    if forwarder.admission is not None:
-        app[ADMISSION] = forwarder.admission
+    app[UPSTREAM] = upstream
+    if admission is not None:
+        app[ADMISSION] = admission
         app.on_cleanup.append(_close_admission)
     if learner is not None:
         app[LEARNER] = learner
@@ -257,22 +258,10 @@ def _worker_header(worker: int) -> Callable[[web.Request, web.StreamResponse], A
 
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
-    t = app[CONFIG].timeouts
-    # First-byte and idle deadlines are enforced per request by the forwarder; the session
-    # bounds connection set-up. Unlimited pool: concurrency is the router's business.
-    timeout = aiohttp.ClientTimeout(total=None, connect=t.connect_s, sock_connect=t.connect_s)
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, enable_cleanup_closed=False)
-    session = aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
-    # For the one retry after a pooled socket turned out stale: never pooled, always new.
-    fresh = aiohttp.ClientSession(
-        timeout=timeout, connector=aiohttp.TCPConnector(force_close=True, limit=0), auto_decompress=False
-    )
-    forwarder = app[FORWARDER]
-    forwarder.session, forwarder.fresh_session = session, fresh
+    upstream = app[UPSTREAM]
+    upstream.open()
     yield
-    forwarder.session = forwarder.fresh_session = None
-    await session.close()
-    await fresh.close()
+    await upstream.close()
 
 
 async def _close_admission(app: web.Application) -> None:
@@ -281,8 +270,7 @@ async def _close_admission(app: web.Application) -> None:
 
 async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
-    session = app[FORWARDER].session
-    assert session is not None
+    session = app[UPSTREAM].session
     router = app[ROUTER]
     membership = app[MEMBERSHIP]
     per_backend = BackendTasks(app[HEALTH], app[METRICS], session, cfg.scrape)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from hetroute.app import FORWARDER, MEMBERSHIP
+from hetroute.app import MEMBERSHIP, UPSTREAM
 from hetroute.backends.discovery import discover
 from hetroute.backends.membership import Changes, MembershipError
 from hetroute.config import Config, load_config
@@ -61,7 +61,7 @@ class Reloader:
             self.reloads += 1
             try:
                 new = load_config(self.path)  # a small local file, read once per SIGHUP
-                resolved = await discover(new, self.app[FORWARDER].session)
+                resolved = await discover(new, self.app[UPSTREAM].session)
                 changes = self.app[MEMBERSHIP].reconcile(resolved.specs(), "config")
             except (ConfigError, MembershipError) as exc:
                 log.error("reload of %s failed; nothing changed: %s", self.path, exc)

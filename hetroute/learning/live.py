@@ -147,7 +147,8 @@ class LiveModels:
         b = self._b[obs.backend_index]
         i = obs.backend_index
         cap, seqs = float(self._caps[i]), float(self._max_seqs[i])
-        predicted = predict_e2e_s(self.params[i], obs, cap, seqs)
+        params = self.params[i].tolist()  # plain floats: the predictions below index them often
+        predicted = predict_e2e_s(params, obs, cap, seqs)
         if obs.e2e_s > 0 and predicted > 0:
             err = abs(predicted / obs.e2e_s - 1.0)
             b.errors.append(err)
@@ -158,13 +159,13 @@ class LiveModels:
             # and only against a model fitted on enough requests (not the prior while it is learned).
             decode_s = obs.decode_s
             judged = b.fit is not None and b.fit.samples >= 2 * DRIFT_WINDOW
-            tpot = predict_tpot_s(self.params[i], obs, cap, seqs)
-            if not judged:
-                pass
-            elif decode_s is not None and obs.output_tokens >= 2 and decode_s > 0 and tpot > 0:
-                b.residuals.append((obs.finished_at_s, math.log(decode_s / (obs.output_tokens - 1) / tpot)))
-            else:
-                b.residuals.append((obs.finished_at_s, math.log(obs.e2e_s / predicted)))
+            if judged:
+                tpot = predict_tpot_s(params, obs, cap, seqs) if decode_s is not None else 0.0
+                if decode_s is not None and obs.output_tokens >= 2 and decode_s > 0 and tpot > 0:
+                    residual = math.log(decode_s / (obs.output_tokens - 1) / tpot)
+                else:
+                    residual = math.log(obs.e2e_s / predicted)
+                b.residuals.append((obs.finished_at_s, residual))
         b.observations.append(obs)
         b.observed_total += 1
         b.since_regime += 1

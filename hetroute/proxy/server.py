@@ -83,7 +83,7 @@ class Gateway:
         self.members = (
             MemberAdmin(
                 membership,
-                lambda: forwarder.session,
+                lambda: forwarder.upstream.session,
                 admin_token=admin_token,
                 workers=workers,
                 discovery_timeout_s=info_timeout_s,
@@ -100,6 +100,8 @@ class Gateway:
             raise ApiError(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}")
         check_content_encoding(request)
         try:
+            if request.content.is_eof():  # the whole body came with the head: nothing to wait for, and
+                return await request.read()  # no timer to arm (one costs µs per request under uvloop)
             async with asyncio.timeout(self.body_timeout_s):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
@@ -170,8 +172,8 @@ class Gateway:
 
     async def info(self, request: web.Request) -> web.Response:
         """TGI ``/info`` of an available TGI backend serving the TGI model."""
-        session = self.forwarder.session
-        if self.tgi_model is None or session is None:
+        session = self.forwarder.upstream.session
+        if self.tgi_model is None:
             raise ApiError(404, "no backend speaks the TGI API")
         for i in self.router.serving(self.tgi_model, "tgi"):
             if not self.health.is_available(i):

@@ -338,6 +338,14 @@ class Router:
             self._on_decision(self.policy.name, ticket.backend_name, self._timer() - self._decide_started)
         return ticket
 
+    def first_token(self, ticket: Ticket, now_s: float) -> None:
+        """The first token of ``ticket``'s answer arrived at ``now_s`` (idempotent; see the ledger)."""
+        self.ledger.first_token(ticket, now_s)
+
+    def observe_generated(self, ticket: Ticket, generated_tokens: int) -> None:
+        """``ticket``'s answer has streamed ``generated_tokens`` tokens so far (cumulative)."""
+        self.ledger.observe_generated(ticket, generated_tokens)
+
     def complete(
         self, ticket: Ticket, output_tokens: int, *, input_tokens: int | None = None, streamed: bool = True
     ) -> None:
