@@ -1,10 +1,15 @@
 """Router overhead on loopback: hetroute vs a bare aiohttp reverse proxy vs direct.
 
-Usage: ``python benchmarks/overhead.py [--quick]``. Writes ``benchmarks/results/overhead.json``.
+Usage: ``python benchmarks/overhead.py [--quick] [--runs N]``. Writes ``benchmarks/results/overhead.json``:
+every run's measurements (``runs``, each with the machine's load average before and after it) and the
+medians over the runs (``median``; a ratio's median is the median of the per-run ratios, each from one
+run's pair of measurements, so that drift in the machine's other load cancels within a pair).
 
 Processes (two cores): the proxy under test (hetroute via ``hetroute serve``, or the bare
 proxy below) runs alone on core 0 (``os.sched_setaffinity``); the instant fake backend and
-this load generator share core 1. Measured per proxy, with the same load:
+this load generator share core 1. hetroute runs as a user's quick start does, ``hetroute serve --backend
+URL`` with every default (the default policy, access log, probes, scraping, live learning, prefix index).
+Measured per proxy, with the same load:
 
 - added latency p50/p99 of a non-streaming request at concurrency 1 and 64
   (proxied − direct);
@@ -418,12 +423,12 @@ def _hetroute_config(tmp: str, port: int, backend: str) -> Path:
 
 
 async def _start_hetroute(
-    cfg: Path, port: int, workers: int, cores: list[int] | None
+    source: list[str], port: int, workers: int, cores: list[int] | None
 ) -> tuple[subprocess.Popen[bytes], list[int]]:
-    """``hetroute serve --workers N`` up with every worker answering; returns the process and the pids
-    that serve (the one process, or the N workers). ``cores``: worker k is pinned to cores[k % len]
-    (None: not pinned)."""
-    serve = [sys.executable, "-c", _SERVE, "serve", "--config", str(cfg), "--log-level", "WARNING"]
+    """``hetroute serve SOURCE --workers N`` up with every worker answering (``source``: ``--config
+    FILE`` or ``--backend URL --port P``); returns the process and the pids that serve (the one process,
+    or the N workers). ``cores``: worker k is pinned to cores[k % len] (None: not pinned)."""
+    serve = [sys.executable, "-c", _SERVE, "serve", *source, "--log-level", "WARNING"]
     if workers > 1:
         serve += ["--workers", str(workers)]
     proc = _spawn(serve, cores[0] if cores and workers == 1 else None)
@@ -485,12 +490,13 @@ async def main_async(quick: bool, workers: int = 1) -> dict[str, Any]:
         results["bare_proxy"] = await _measure(f"http://127.0.0.1:{bare_port}", [bare.pid], quick)
         bare.terminate()
         bare.wait(10)
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = _hetroute_config(tmp, hr_port, backend)
-            hr, pids = await _start_hetroute(cfg, hr_port, workers, [proxy_core] if workers == 1 else cores)
-            procs.append(hr)
-            results["hetroute"] = await _measure(f"http://127.0.0.1:{hr_port}", pids, quick)
-            results["hetroute"]["workers"] = workers
+        quick_start = ["--backend", backend, "--port", str(hr_port)]
+        hr, pids = await _start_hetroute(
+            quick_start, hr_port, workers, [proxy_core] if workers == 1 else cores
+        )
+        procs.append(hr)
+        results["hetroute"] = await _measure(f"http://127.0.0.1:{hr_port}", pids, quick)
+        results["hetroute"]["workers"] = workers
     finally:
         for p in procs:
             p.terminate()
@@ -558,7 +564,9 @@ async def ceiling_async(
                     for r in range(rounds):
                         # alternate the order, so drift in the machine's other load hits both alike
                         for w in (1, workers) if r % 2 == 0 else (workers, 1):
-                            hr, pids = await _start_hetroute(cfg, hr_port, w, cores if pinned else None)
+                            hr, pids = await _start_hetroute(
+                                ["--config", str(cfg)], hr_port, w, cores if pinned else None
+                            )
                             try:
                                 await _raw_load(hr_port, 8, 500, NON_STREAM)  # warm-up
                                 row = await _ceiling_window(harness, hr_port, pids, be.pid, n)
@@ -708,11 +716,21 @@ def summarise(res: dict[str, Any]) -> dict[str, Any]:
     summary["cpu_per_request_ratio"] = (
         h["c64"]["proxy_cpu_us_per_request"] / b["c64"]["proxy_cpu_us_per_request"]
     )
-    summary["hetroute_cpu_us_per_request"] = h["c64"]["proxy_cpu_us_per_request"]
-    summary["hetroute_cpu_us_per_event_paced"] = h["stream_paced"]["proxy_cpu_us_per_event"]
-    summary["hetroute_cpu_us_per_event_burst"] = h["stream_burst"]["proxy_cpu_us_per_event"]
+    for name, r in (("bare_proxy", b), ("hetroute", h)):
+        summary[f"{name}_cpu_us_per_request"] = r["c64"]["proxy_cpu_us_per_request"]
+        summary[f"{name}_cpu_us_per_event_paced"] = r["stream_paced"]["proxy_cpu_us_per_event"]
+        summary[f"{name}_cpu_us_per_event_burst"] = r["stream_burst"]["proxy_cpu_us_per_event"]
+    summary["paced_event_ratio"] = (
+        h["stream_paced"]["proxy_cpu_us_per_event"] / b["stream_paced"]["proxy_cpu_us_per_event"]
+    )
     summary["targets"] = {"cpu_ratio_max": 1.25, "cpu_us_per_request_max": 175, "cpu_us_per_event_max": 25}
     return summary
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """The median over ``runs`` of every number in their summaries (targets aside)."""
+    keys = [k for k, v in runs[0]["summary"].items() if isinstance(v, int | float)]
+    return {k: float(np.median([r["summary"][k] for r in runs])) for k in keys}
 
 
 def print_table(res: dict[str, Any], summary: dict[str, Any]) -> None:
@@ -759,6 +777,12 @@ def main() -> int:
     ap.add_argument("--upstream", default="")
     ap.add_argument("--quick", action="store_true", help="a quarter of the requests")
     ap.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="repeat the standard measurement N times (every run and the medians are written)",
+    )
+    ap.add_argument(
         "--workers", type=int, default=None, help="hetroute serve --workers N (see the docstring)"
     )
     ap.add_argument("--ceiling", action="store_true", help="requests/s at concurrency 64, 1 worker vs N")
@@ -767,6 +791,8 @@ def main() -> int:
     ap.add_argument("--layouts", default="pinned,floating", help="--ceiling: pinned and/or floating")
     ap.add_argument("--out", default=None, help="the JSON file (default: by mode, under results/)")
     args = ap.parse_args()
+    if args.runs < 1:
+        ap.error("--runs must be at least 1")
     if args.role == "backend":
         run_backend(args.port)
         return 0
@@ -792,13 +818,29 @@ def main() -> int:
         print(f"wrote {out} and {out.with_suffix('.md')}")
         return 0
     workers = args.workers or 1
-    res = asyncio.run(main_async(args.quick, workers))
-    summary = summarise(res)
-    print_table(res, summary)
+    runs: list[dict[str, Any]] = []
+    for k in range(args.runs):
+        load_before = os.getloadavg()
+        res = asyncio.run(main_async(args.quick, workers))
+        summary = summarise(res)
+        print(f"run {k + 1} of {args.runs}:")
+        print_table(res, summary)
+        runs.append(
+            {
+                "loadavg_before": load_before,
+                "loadavg_after": os.getloadavg(),
+                "results": res,
+                "summary": summary,
+            }
+        )
+    med = medians(runs)
+    print(f"medians over {args.runs} run(s):", json.dumps(med, indent=1))
     default = "overhead.json" if workers == 1 else f"overhead_w{workers}.json"
     out = Path(args.out or HERE / "results" / default)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine(), "results": res, "summary": summary}, indent=1))
+    command = " ".join(["python", "benchmarks/overhead.py", *sys.argv[1:]])
+    doc = {"machine": machine(), "command": command, "median": med, "runs": runs}
+    out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {out}")
     return 0
 

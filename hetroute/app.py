@@ -5,10 +5,10 @@ health tracker, metrics store, telemetry and forwarder from a resolved :class:`C
 and exposes them through typed ``web.AppKey``s. Nothing runs at import time and there
 are no globals: every call builds a fresh, independent app.
 
-Lifecycle (``cleanup_ctx``, reverse order on shutdown): one pooled ``ClientSession`` for
-the app's lifetime (plus a never-pooled one for stale-socket retries), then the background
-tasks (active probes, one scraper per backend), which are cancelled and awaited before the
-sessions close.
+Lifecycle (``cleanup_ctx``, reverse order on shutdown): the client sessions
+(:class:`~hetroute.proxy.upstream.Upstream`, built here and injected into the forwarder, opened once the
+loop runs), then the background tasks (active probes, one scraper per backend), which are cancelled and
+awaited before the sessions close.
 
 ``hetroute serve --workers N`` builds one app per worker process with this same function
 (``worker=k``); nothing is shared between them but the listening port.
@@ -21,15 +21,17 @@ import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from hetroute.access_log import AccessLog, LineSink
 from hetroute.admission.full import Placer
 from hetroute.admission.gate import AdmissionGate
-from hetroute.backends.health import HealthTracker, probe_loop
-from hetroute.backends.scrape import MetricsStore, scrape_loop
+from hetroute.backends.dns import DnsDiscovery, dns_loop, make_resolver
+from hetroute.backends.health import HealthTracker
+from hetroute.backends.membership import Membership
+from hetroute.backends.scrape import MetricsStore
+from hetroute.backends.tasks import BackendTasks
 from hetroute.clock import MonotonicClock, Sleeper
 from hetroute.config import ComponentConfig, Config
 from hetroute.learning.build import build_live_models
@@ -45,10 +47,11 @@ from hetroute.proxy.forward import Forwarder, ForwardSettings
 from hetroute.proxy.local_errors import error_middleware
 from hetroute.proxy.protocols import TokenEstimator
 from hetroute.proxy.server import Gateway, add_routes
+from hetroute.proxy.upstream import Upstream
 from hetroute.routing.ledger import Ledger
 from hetroute.routing.router import Router
 from hetroute.telemetry import Telemetry
-from hetroute.types import BackendSpec, Clock, OutputLengthPredictor
+from hetroute.types import BackendSpec, Clock, Policy
 from predictors import DEFAULT_PREDICTOR, build_predictor
 
 CONFIG = web.AppKey("config", Config)
@@ -58,9 +61,9 @@ HEALTH = web.AppKey("health", HealthTracker)
 METRICS = web.AppKey("metrics", MetricsStore)
 TELEMETRY = web.AppKey("telemetry", Telemetry)
 FORWARDER = web.AppKey("forwarder", Forwarder)
-PREDICTOR = web.AppKey("predictor", OutputLengthPredictor)
-ESTIMATOR = web.AppKey("estimator", TokenEstimator)
+UPSTREAM = web.AppKey("upstream", Upstream)
 ADMISSION = web.AppKey("admission", AdmissionGate)
+MEMBERSHIP = web.AppKey("membership", Membership)
 LEARNER = web.AppKey("learner", LiveModels)
 CLIENT_GUARD = web.AppKey("client_guard", ClientGuard)
 SAVE_DIR = web.AppKey("save_dir", str)
@@ -111,7 +114,11 @@ def build_app(
     # The backends' static latency models (profile → roofline prior → neutral default) are resolved
     # once, here: the policy, the learner and /admin all read this one copy.
     backend_models = BackendModels.from_specs(specs)
-    policy = build_policy(cfg.policy.type, cfg.policy.params, PolicyContext(specs, seed, backend_models))
+
+    def policy_for(backends: tuple[BackendSpec, ...], models: BackendModels) -> Policy:
+        return build_policy(cfg.policy.type, cfg.policy.params, PolicyContext(backends, seed, models))
+
+    policy = policy_for(specs, backend_models)
     learner: LiveModels | None = None
     if cfg.learning.enabled:
         saved = load_saved(cfg.learning.state_dir, specs) if cfg.learning.state_dir else {}
@@ -139,16 +146,35 @@ def build_app(
         foreign=cfg.scrape.foreign_load,
     )
     metrics.on_publish = router.scraped
+    membership = Membership(
+        router=router,
+        health=health,
+        metrics=metrics,
+        backend_models=backend_models,
+        build_policy=policy_for,
+        learner=learner,
+    )
     telemetry.bind_backends(
         names, health.is_available, metrics.age_s, lambda i: int(ledger.requests_in_flight[i])
     )
     if learner is not None:
-        telemetry.bind_learner(names, learner)
+        telemetry.bind_learner(learner)
     if router.prefix is not None:
-        telemetry.bind_prefix(names, router.prefix)
-    telemetry.bind_foreign(names, router.foreign_requests)
+        telemetry.bind_prefix(router.prefix)
+    telemetry.bind_foreign(router.foreign_requests)
+
+    def members_changed(_: int, __: BackendSpec) -> None:
+        telemetry.set_members([(i, router.backends[i].name) for i in router.members()])
+
+    membership.on_join.append(members_changed)
+    membership.on_leave.append(members_changed)
     estimator = TokenEstimator(cfg.tokens.initial_chars_per_token, cfg.tokens.learn_rate)
     t = cfg.timeouts
+    adm = cfg.admission
+    admission: AdmissionGate | None = None
+    if adm.enabled:
+        admission = AdmissionGate(adm, router, Placer(router, adm.full, backend_models), clock, registry)
+    upstream = Upstream(t.connect_s)
     forwarder = Forwarder(
         router=router,
         health=health,
@@ -166,11 +192,9 @@ def build_app(
             retry_request_timeouts=cfg.retries.retry_request_timeouts,
         ),
         id_prefix=f"{random.Random(seed).getrandbits(32):08x}",
+        upstream=upstream,
+        admission=admission,
     )
-    adm = cfg.admission
-    if adm.enabled:
-        placer = Placer(router, adm.full, backend_models)
-        forwarder.admission = AdmissionGate(adm, router, placer, clock, registry)
     guard = ClientGuard(
         limits_of(cfg.server),
         telemetry=telemetry,
@@ -190,6 +214,9 @@ def build_app(
         backend_models=backend_models,
         learner=learner,
         body_timeout_s=cfg.server.body_timeout_s,
+        membership=membership,
+        workers=cfg.server.workers,
+        drain_timeout_s=cfg.server.shutdown_grace_s,
     )
 
     app = web.Application(
@@ -202,12 +229,12 @@ def build_app(
     app[LEDGER] = ledger
     app[HEALTH] = health
     app[METRICS] = metrics
+    app[MEMBERSHIP] = membership
     app[TELEMETRY] = telemetry
     app[FORWARDER] = forwarder
-    app[PREDICTOR] = predictor
-    app[ESTIMATOR] = estimator
-    if forwarder.admission is not None:
-        app[ADMISSION] = forwarder.admission
+    app[UPSTREAM] = upstream
+    if admission is not None:
+        app[ADMISSION] = admission
         app.on_cleanup.append(_close_admission)
     if learner is not None:
         app[LEARNER] = learner
@@ -231,22 +258,10 @@ def _worker_header(worker: int) -> Callable[[web.Request, web.StreamResponse], A
 
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
-    t = app[CONFIG].timeouts
-    # First-byte and idle deadlines are enforced per request by the forwarder; the session
-    # bounds connection set-up. Unlimited pool: concurrency is the router's business.
-    timeout = aiohttp.ClientTimeout(total=None, connect=t.connect_s, sock_connect=t.connect_s)
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, enable_cleanup_closed=False)
-    session = aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
-    # For the one retry after a pooled socket turned out stale: never pooled, always new.
-    fresh = aiohttp.ClientSession(
-        timeout=timeout, connector=aiohttp.TCPConnector(force_close=True, limit=0), auto_decompress=False
-    )
-    forwarder = app[FORWARDER]
-    forwarder.session, forwarder.fresh_session = session, fresh
+    upstream = app[UPSTREAM]
+    upstream.open()
     yield
-    forwarder.session = forwarder.fresh_session = None
-    await session.close()
-    await fresh.close()
+    await upstream.close()
 
 
 async def _close_admission(app: web.Application) -> None:
@@ -255,23 +270,33 @@ async def _close_admission(app: web.Application) -> None:
 
 async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
-    session = app[FORWARDER].session
-    assert session is not None
+    session = app[UPSTREAM].session
     router = app[ROUTER]
-    tasks = [asyncio.create_task(probe_loop(app[HEALTH], session, [b.url for b in router.backends]))]
-    if cfg.scrape.enabled:
-        tasks += [
-            asyncio.create_task(scrape_loop(app[METRICS], session, router.backends, i, cfg.scrape))
-            for i in range(len(router.backends))
+    membership = app[MEMBERSHIP]
+    per_backend = BackendTasks(app[HEALTH], app[METRICS], session, cfg.scrape)
+    for i in router.members():
+        per_backend.start(i, router.backends[i])
+    membership.on_join.append(per_backend.start)
+    membership.on_leave.append(per_backend.stop)
+    tasks = []
+    if cfg.dns_entries():  # resolved at once, then every dns.interval_s
+        resolver = make_resolver(cfg.dns)
+        found = [
+            DnsDiscovery(e, membership, resolver, session, discovery_timeout_s=cfg.timeouts.discovery_s)
+            for e in cfg.dns_entries()
         ]
+        tasks.append(asyncio.create_task(dns_loop(found, cfg.dns.interval_s)))
     learner = app.get(LEARNER)
     save_dir = app.get(SAVE_DIR)
     if learner is not None:
         tasks.append(asyncio.create_task(learning_loop(learner, router, cfg, save_dir)))
     yield
+    membership.on_join.remove(per_backend.start)
+    membership.on_leave.remove(per_backend.stop)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    await per_backend.close()
     if learner is not None and save_dir:
         _save(learner, router, save_dir)
 

@@ -9,6 +9,7 @@ lookup instead of ``labels()`` validation.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -88,6 +89,8 @@ class Telemetry:
             registry=r,
         )
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._members: tuple[tuple[int, str], ...] = ()
+        self._backend_gauges: list[tuple[Gauge, Callable[[int], float]]] = []
 
     def bind_backends(
         self,
@@ -96,24 +99,36 @@ class Telemetry:
         age_s: Callable[[int], float | None],
         in_flight: Callable[[int], int],
     ) -> None:
-        """Export per-backend gauges computed on scrape (no bookkeeping on the hot path)."""
-        for i, name in enumerate(names):
+        """Export per-backend gauges computed on scrape (no bookkeeping on the hot path), for the
+        backends ``names`` (slot = position) until :meth:`set_members` changes them."""
+        self._members = tuple(enumerate(names))
 
-            def _up(i: int = i) -> float:
-                return float(available(i))
+        def _age(i: int) -> float:
+            age = age_s(i)
+            return -1.0 if age is None else age
 
-            def _busy(i: int = i) -> float:
-                return float(in_flight(i))
+        self._per_backend(self.available, lambda i: float(available(i)))
+        self._per_backend(self.in_flight, lambda i: float(in_flight(i)))
+        self._per_backend(self.metrics_age, _age)
 
-            def _age(i: int = i) -> float:
-                age = age_s(i)
-                return -1.0 if age is None else age
+    def _per_backend(self, gauge: Gauge, value: Callable[[int], float]) -> None:
+        """Export ``value(slot)`` as ``gauge{backend=name}`` for every member, now and after changes."""
+        self._backend_gauges.append((gauge, value))
+        for i, name in self._members:
+            gauge.labels(name).set_function(partial(value, i))
 
-            self.available.labels(name).set_function(_up)
-            self.in_flight.labels(name).set_function(_busy)
-            self.metrics_age.labels(name).set_function(_age)
+    def set_members(self, members: Sequence[tuple[int, str]]) -> None:
+        """The cluster's backends changed (live backend changes): per-backend gauges now export
+        ``(slot, name)`` of ``members``; a backend that left loses its series."""
+        old = {name for _, name in self._members}
+        self._members = tuple(members)
+        for gauge, value in self._backend_gauges:
+            for name in old:
+                gauge.remove(name)
+            for i, name in self._members:
+                gauge.labels(name).set_function(partial(value, i))
 
-    def bind_learner(self, names: Sequence[str], learner: LiveModels) -> None:
+    def bind_learner(self, learner: LiveModels) -> None:
         """Export the live models' quality per backend, computed on scrape:
         ``hetroute_model_e2e_error_ratio`` (EWMA of |predicted / observed e2e − 1| over requests the
         model had not seen; NaN before the first), ``hetroute_model_samples`` (observations since the
@@ -134,22 +149,11 @@ class Telemetry:
         drifts = Gauge(
             "hetroute_model_drifts", "Live latency model: drifts detected.", ["backend"], registry=r
         )
-        for i, name in enumerate(names):
+        self._per_backend(error, learner.e2e_error)
+        self._per_backend(samples, lambda i: float(learner.samples[i]))
+        self._per_backend(drifts, lambda i: float(learner.drifts(i)))
 
-            def _error(i: int = i) -> float:
-                return learner.e2e_error(i)
-
-            def _samples(i: int = i) -> float:
-                return float(learner.samples[i])
-
-            def _drifts(i: int = i) -> float:
-                return float(learner.drifts(i))
-
-            error.labels(name).set_function(_error)
-            samples.labels(name).set_function(_samples)
-            drifts.labels(name).set_function(_drifts)
-
-    def bind_foreign(self, names: Sequence[str], foreign_requests: Callable[[], FloatArray]) -> None:
+    def bind_foreign(self, foreign_requests: Callable[[], FloatArray]) -> None:
         """Export ``hetroute_foreign_requests`` per backend, computed on scrape: the requests the router
         counts there on behalf of others (other replicas, direct clients; ``scrape.foreign_load``)."""
         gauge = Gauge(
@@ -158,14 +162,9 @@ class Telemetry:
             ["backend"],
             registry=self.registry,
         )
-        for i, name in enumerate(names):
+        self._per_backend(gauge, lambda i: float(foreign_requests()[i]))
 
-            def _count(i: int = i) -> float:
-                return float(foreign_requests()[i])
-
-            gauge.labels(name).set_function(_count)
-
-    def bind_prefix(self, names: Sequence[str], prefix: PrefixState) -> None:
+    def bind_prefix(self, prefix: PrefixState) -> None:
         """Export the prefix index, computed on scrape: ``hetroute_prefix_index_chunks`` (chunks assumed
         cached, per backend), ``hetroute_prefix_trust`` (the hit-counter correction, per backend),
         ``hetroute_prefix_index_bytes`` (approximate memory) and ``hetroute_prefix_expected_hit_ratio``
@@ -180,16 +179,8 @@ class Telemetry:
             ["backend"],
             registry=r,
         )
-        for i, name in enumerate(names):
-
-            def _chunks(i: int = i) -> float:
-                return float(prefix.index.chunks(i))
-
-            def _trust(i: int = i) -> float:
-                return float(prefix.trust.trust[i])
-
-            chunks.labels(name).set_function(_chunks)
-            trust.labels(name).set_function(_trust)
+        self._per_backend(chunks, lambda i: float(prefix.index.chunks(i)))
+        self._per_backend(trust, lambda i: float(prefix.trust.trust[i]))
         Gauge(
             "hetroute_prefix_index_bytes", "Prefix index: approximate memory in bytes.", registry=r
         ).set_function(lambda: float(prefix.index.memory_bytes()))

@@ -57,8 +57,9 @@ async def _openai_models(
 async def discover_backend(
     session: aiohttp.ClientSession, backend: BackendConfig, index: int, timeout_s: float
 ) -> BackendConfig:
-    """``backend`` with ``engine`` and ``models`` filled from the running server."""
-    if backend.resolved:
+    """``backend`` with ``engine`` and ``models`` filled from the running server (an entry with DNS
+    discovery is returned as it is: its addresses are asked when they are found, ``backends.dns``)."""
+    if backend.resolved or backend.discovery is not None:
         return backend
     path = f"backends[{index}]"
     try:
@@ -86,7 +87,7 @@ async def discover_backend(
 
 async def discover(config: Config, session: aiohttp.ClientSession | None = None) -> Config:
     """Resolve every backend of ``config`` concurrently (a private session if none is given)."""
-    if all(b.resolved for b in config.backends):
+    if all(b.resolved or b.discovery is not None for b in config.backends):
         return config
     if session is None:
         async with aiohttp.ClientSession() as own:

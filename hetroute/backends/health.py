@@ -48,6 +48,8 @@ class BackendHealth:
     last_error: str | None = None
     last_success_at_s: float | None = None
     last_probe_ok_at_s: float | None = None
+    retired: bool = False
+    """Removed from the cluster (draining or free): never available again in this slot."""
 
 
 class HealthTracker:
@@ -67,6 +69,25 @@ class HealthTracker:
         self._on_eject = on_eject
         now = clock.now()
         self.states = [BackendHealth(healthy_since_s=now) for _ in names]
+
+    def set_slot(self, i: int, name: str) -> None:
+        """Slot ``i`` holds backend ``name`` with a fresh record, available until heard otherwise, as at
+        start-up (one past the last: grow)."""
+        fresh = BackendHealth(healthy_since_s=self.clock.now())
+        names = list(self.names)
+        if i == len(self.states):
+            self.states.append(fresh)
+            names.append(name)
+        else:
+            self.states[i] = fresh
+            names[i] = name
+        self.names = tuple(names)
+
+    def retire(self, i: int) -> None:
+        """Backend ``i`` left the cluster: unavailable from now on, and no longer counted."""
+        h = self.states[i]
+        h.probe_healthy = False
+        h.retired = True
 
     def is_ejected(self, i: int, now_s: float | None = None) -> bool:
         until = self.states[i].ejected_until_s
@@ -144,8 +165,9 @@ class HealthTracker:
         h.consecutive_failures += 1
         if h.consecutive_failures < self.config.consecutive_failures:
             return False
-        ejected = sum(1 for j in range(len(self.states)) if self.is_ejected(j, now))
-        if (ejected + 1) * 100 > self.config.max_ejection_percent * len(self.states):
+        members = [j for j, s in enumerate(self.states) if not s.retired]
+        ejected = sum(1 for j in members if self.is_ejected(j, now))
+        if (ejected + 1) * 100 > self.config.max_ejection_percent * len(members):
             return False  # Envoy: never eject beyond max_ejection_percent
         self._decay(h, now)
         h.times_ejected += 1
@@ -159,6 +181,8 @@ class HealthTracker:
     def record_probe(self, i: int, ok: bool, error: str | None = None) -> None:
         """The result of one active probe."""
         h = self.states[i]
+        if h.retired:
+            return
         now = self.clock.now()
         h.last_probe_at_s = now
         if ok:
@@ -211,12 +235,16 @@ async def probe_loop(
     session: aiohttp.ClientSession,
     base_urls: Sequence[str],
     sleep: Sleeper = asyncio.sleep,
+    *,
+    indices: Sequence[int] | None = None,
 ) -> None:
-    """Probe every backend, then wait ``probe_interval_s`` through ``sleep``; until cancelled."""
+    """Probe every backend, then wait ``probe_interval_s`` through ``sleep``; until cancelled.
+    ``base_urls[k]`` is backend ``indices[k]`` (default: backend k)."""
     cfg = tracker.config
     urls = [u + cfg.probe_path for u in base_urls]
+    slots = list(indices) if indices is not None else list(range(len(urls)))
     while True:
         results = await asyncio.gather(*(probe_once(session, u, cfg.probe_timeout_s) for u in urls))
-        for i, (ok, error) in enumerate(results):
+        for i, (ok, error) in zip(slots, results, strict=True):
             tracker.record_probe(i, ok, error)
         await sleep(cfg.probe_interval_s)

@@ -9,7 +9,7 @@ stale numbers are worse than none, and the policy then falls back for every cand
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import aiohttp
 
@@ -36,6 +36,15 @@ class MetricsStore:
         self.stale_after_s = stale_after_s
         self._latest: list[EngineMetrics | None] = [None] * n_backends
         self.errors: list[str | None] = [None] * n_backends
+
+    def set_slot(self, i: int) -> None:
+        """Slot ``i`` holds a new backend with nothing scraped yet (one past the last: grow)."""
+        if i == len(self._latest):
+            self._latest.append(None)
+            self.errors.append(None)
+        else:
+            self._latest[i] = None
+            self.errors[i] = None
 
     def publish(self, i: int, metrics: EngineMetrics) -> None:
         self._latest[i] = metrics
@@ -82,14 +91,13 @@ async def scrape_once(
 async def scrape_loop(
     store: MetricsStore,
     session: aiohttp.ClientSession,
-    specs: Sequence[BackendSpec],
+    spec: BackendSpec,
     index: int,
     config: ScrapeConfig,
     sleep: Sleeper = asyncio.sleep,
 ) -> None:
-    """Scrape backend ``index``, then wait ``interval_s`` through ``sleep``; until cancelled. Errors are
-    recorded in the store, not raised."""
-    spec = specs[index]
+    """Scrape backend ``spec`` (slot ``index``), then wait ``interval_s`` through ``sleep``; until
+    cancelled. Errors are recorded in the store, not raised."""
     while True:
         try:
             store.publish(index, await scrape_once(session, spec, config.timeout_s, store.clock))

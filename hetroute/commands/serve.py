@@ -5,7 +5,8 @@ backends' engines and models, the uvloop event loop (installed here and in the w
 :mod:`hetroute.commands.serve_workers`, nowhere else), and graceful shutdown: on SIGTERM/SIGINT
 the listener closes, in-flight streams get ``server.shutdown_grace_s`` to finish, those still
 running then end with the API's error event (:mod:`hetroute.proxy.drain`), and the process exits
-within the grace period + 1 s. With ``server.workers`` > 1 (``--workers N``) the process supervises
+within the grace period + 1 s. On SIGHUP the config file's ``backends:`` are applied without a restart
+(:mod:`hetroute.commands.reload`). With ``server.workers`` > 1 (``--workers N``) the process supervises
 N worker processes instead (:mod:`hetroute.commands.serve_workers`); with 1 it is the gateway itself.
 """
 
@@ -20,7 +21,7 @@ from dataclasses import replace
 
 from hetroute.app import build_app, start_app
 from hetroute.backends.discovery import discover
-from hetroute.commands.serving import describe, serve_until, stop_on, warn_if_admin_exposed
+from hetroute.commands.serving import describe, reload_on_sighup, serve_until, stop_on, warn_if_admin_exposed
 from hetroute.config import SHARED_PORT_ZERO, Config, load_config, quick_config
 from hetroute.errors import ConfigError
 from hetroute.proxy.admin_auth import read_token_file
@@ -38,7 +39,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "models are discovered from /info (TGI) or /v1/models. No latency profile is needed: the "
             "router learns each backend's prefill and decode speed from the requests it serves "
             "(docs/learning.md), starting from a profile, the catalog's roofline prior or a neutral "
-            "default, and keeps re-learning when a backend's speed changes."
+            "default, and keeps re-learning when a backend's speed changes. Backends change without a "
+            "restart: SIGHUP re-reads the config file's backends, POST/DELETE /admin/backends add and "
+            "drain one, and an entry with `discovery: dns` follows its host name's addresses "
+            "(docs/live-backends.md)."
         ),
     )
     p.add_argument("--config", metavar="FILE", help="YAML config (see config/router.example.yaml)")
@@ -118,14 +122,16 @@ def _load(args: argparse.Namespace) -> Config:
     return cfg
 
 
-async def _serve(cfg: Config) -> None:
-    """Discover, start, and on SIGTERM/SIGINT close the listener and drain in-flight requests."""
+async def _serve(cfg: Config, config_path: str | None) -> None:
+    """Discover, start, reload the backends of ``config_path`` on SIGHUP, and on SIGTERM/SIGINT close
+    the listener and drain in-flight requests."""
     cfg = await discover(cfg)
     log.info("effective config: %s", describe(cfg))
     warn_if_admin_exposed(cfg)
     out = sys.stdout
     app = build_app(cfg, access_sink=out.write)
     runner, port = await start_app(app, cfg.server.host, cfg.server.port)
+    reload_on_sighup(app, config_path)
     log.info("hetroute listening on http://%s:%d", cfg.server.host, port)
     await serve_until(stop_on((signal.SIGTERM, signal.SIGINT)), app, runner, out)
 
@@ -134,16 +140,17 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
     )
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the reload handler is in place
     try:
         cfg = _load(args)
         if cfg.server.workers > 1:
             from hetroute.commands.serve_workers import supervise
 
-            return supervise(cfg, args.log_level)
+            return supervise(cfg, args.log_level, args.config)
         import uvloop  # the serve command is the only place the event loop is chosen
 
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(_serve(cfg))
+            runner.run(_serve(cfg, args.config))
     except ConfigError as exc:
         print(f"hetroute serve: config error: {exc}", file=sys.stderr)
         return 2

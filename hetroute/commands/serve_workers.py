@@ -32,6 +32,8 @@ another N, or with one process, starts from the same files).
   killed. The parent exits 0 when every worker exited 0 (or was stopped before it listened);
 - a worker that exits unasked (crash, OOM kill, a failed bind): the others are stopped the same way
   and the parent exits 1, so the process manager restarts the whole group;
+- SIGHUP: forwarded to every worker, which applies the config file's backends itself
+  (:mod:`hetroute.commands.reload`);
 - a worker whose parent disappears (``SIGKILL``) reads end-of-file on its pipe and shuts down
   gracefully: no orphan keeps serving the port.
 
@@ -58,7 +60,7 @@ from typing import Literal
 from hetroute.access_log import WholeLineWriter
 from hetroute.app import build_app, start_app
 from hetroute.backends.discovery import discover
-from hetroute.commands.serving import describe, serve_until, stop_on, warn_if_admin_exposed
+from hetroute.commands.serving import describe, reload_on_sighup, serve_until, stop_on, warn_if_admin_exposed
 from hetroute.config import Config
 
 log = logging.getLogger("hetroute.serve")
@@ -84,18 +86,22 @@ class _Worker:
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     reported: bool = False
     """Its exit was already logged as unexpected."""
+    listening: bool = False
+    """It reported its port: its SIGHUP handler is in place."""
+    reload_pending: bool = False
+    """A SIGHUP came before it listened: it is sent one as soon as it does."""
 
 
-def supervise(cfg: Config, log_level: str) -> int:
+def supervise(cfg: Config, log_level: str, config_path: str | None = None) -> int:
     """Run ``cfg.server.workers`` worker processes until SIGTERM/SIGINT or one exits unasked (see the
     module doc); returns the parent's exit status. Config and discovery errors raise ConfigError."""
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(_supervise(cfg, log_level))
+        return runner.run(_supervise(cfg, log_level, config_path))
 
 
-async def _supervise(cfg: Config, log_level: str) -> int:
+async def _supervise(cfg: Config, log_level: str, config_path: str | None) -> int:
     cfg = await discover(cfg)
     log.info("effective config: %s", describe(cfg))
     warn_if_admin_exposed(cfg)
@@ -109,12 +115,13 @@ async def _supervise(cfg: Config, log_level: str) -> int:
     events: asyncio.Queue[tuple[EventKind, int, int]] = asyncio.Queue()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before any worker exists: none is left behind
         loop.add_signal_handler(sig, events.put_nowait, ("signal", -1, int(sig)))
-    ctx = multiprocessing.get_context("spawn")
     workers: list[_Worker] = []
+    loop.add_signal_handler(signal.SIGHUP, _forward_sighup, workers)
+    ctx = multiprocessing.get_context("spawn")
     failed = True
     try:
         for k in range(cfg.server.workers):
-            workers.append(_start(ctx, cfg, k, log_level, events))
+            workers.append(_start(ctx, cfg, k, log_level, events, config_path))
         failed = await _until_stopped(cfg, workers, events)
     finally:
         clean = await _stop(workers, cfg.server.shutdown_grace_s + STOP_MARGIN_S)
@@ -123,17 +130,33 @@ async def _supervise(cfg: Config, log_level: str) -> int:
     return 1 if failed or not clean else 0
 
 
+def _forward_sighup(workers: list[_Worker]) -> None:
+    """SIGHUP reaches the supervisor: every worker reloads the config file's backends itself."""
+    log.info("SIGHUP: asking %d workers to reload the backends", len(workers))
+    for w in workers:
+        if w.listening:
+            _sighup(w)
+        else:  # still starting: a SIGHUP now would kill it before its handler is in place
+            w.reload_pending = True
+
+
+def _sighup(w: _Worker) -> None:
+    if w.process.pid is not None and w.process.exitcode is None:
+        os.kill(w.process.pid, signal.SIGHUP)
+
+
 def _start(
     ctx: multiprocessing.context.SpawnContext,
     cfg: Config,
     index: int,
     log_level: str,
     events: asyncio.Queue[tuple[EventKind, int, int]],
+    config_path: str | None = None,
 ) -> _Worker:
     """Start worker ``index``; its readiness and its exit arrive on ``events``."""
     mine, theirs = ctx.Pipe()
     process = ctx.Process(
-        target=worker_main, args=(cfg, index, theirs, log_level), name=f"hetroute-worker-{index}"
+        target=worker_main, args=(cfg, index, theirs, log_level, config_path), name=f"hetroute-worker-{index}"
     )
     process.start()  # fork + exec and a few KB into a pipe: short, and only at start-up
     theirs.close()
@@ -192,6 +215,10 @@ async def _until_stopped(
             )
             return True
         ready += 1
+        w.listening = True
+        if w.reload_pending:
+            w.reload_pending = False
+            _sighup(w)
         if ready == len(workers):
             log.info(
                 "hetroute: %d workers serving on http://%s:%d (pids %s)",
@@ -238,10 +265,13 @@ async def _stop(workers: list[_Worker], bound_s: float) -> bool:
 # ---------------------------------------------------------------- the worker process
 
 
-def worker_main(cfg: Config, index: int, parent: Connection, log_level: str) -> None:
+def worker_main(
+    cfg: Config, index: int, parent: Connection, log_level: str, config_path: str | None = None
+) -> None:
     """Entry point of worker ``index`` in its spawned process: the gateway of ``cfg`` on the shared
     port until SIGTERM or until the parent is gone; exits 1 when it cannot listen."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the parent, which stops us
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the loop's reload handler is in place
     logging.basicConfig(
         level=log_level.upper(),
         stream=sys.stderr,
@@ -250,10 +280,10 @@ def worker_main(cfg: Config, index: int, parent: Connection, log_level: str) -> 
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_worker(cfg, index, parent))
+        runner.run(_worker(cfg, index, parent, config_path))
 
 
-async def _worker(cfg: Config, index: int, parent: Connection) -> None:
+async def _worker(cfg: Config, index: int, parent: Connection, config_path: str | None) -> None:
     stop = stop_on((signal.SIGTERM,))  # before listening: a SIGTERM from now on drains
     loop = asyncio.get_running_loop()
 
@@ -270,6 +300,7 @@ async def _worker(cfg: Config, index: int, parent: Connection) -> None:
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", cfg.server.host, cfg.server.port, exc)
         raise SystemExit(1) from exc
+    reload_on_sighup(app, config_path)
     parent.send(port)
     log.info("listening on http://%s:%d (pid %d)", cfg.server.host, port, os.getpid())
     await serve_until(stop, app, runner, out)

@@ -21,6 +21,13 @@ from hetroute.proxy.drain import drain
 
 log = logging.getLogger("hetroute.serve")
 
+GC_YOUNG_THRESHOLD = 10_000
+"""Allocations between two collections of the cyclic GC's youngest generation while serving (CPython's
+default: 700). Each collection traverses every young object still alive, which under load are mostly
+the in-flight requests' own: with the default, 64 concurrent requests through the gateway cost about
+18 µs of collection per request (measured with ``gc.callbacks``), with 10,000 about 4 µs. Cyclic garbage
+(rare: requests free their objects by reference counting) lives a little longer."""
+
 
 def warn_if_admin_exposed(cfg: Config) -> None:
     """Log a WARNING when ``/admin`` is open to anyone who can reach a non-loopback listener."""
@@ -86,6 +93,7 @@ async def serve_until(
     # Everything built so far lives as long as the process: keep it out of the cyclic GC's
     # scans, so a full collection does not stall requests for milliseconds.
     gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     flusher = asyncio.create_task(_flush_every(out, 0.5))
     try:
         await stop.wait()
@@ -95,3 +103,19 @@ async def serve_until(
         await runner.cleanup()  # no-op after drain; cuts everything on an error
         flusher.cancel()
         out.flush()
+
+
+def reload_on_sighup(app: web.Application, config_path: str | None) -> None:
+    """From now on, SIGHUP applies the backends of ``config_path`` to ``app``
+    (:mod:`hetroute.commands.reload`); without a config file it only logs that there is nothing to
+    reload."""
+    if config_path is None:
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGHUP, log.warning, "SIGHUP: nothing to reload (started with --backend, not --config)"
+        )
+        return
+    from hetroute.commands.reload import Reloader
+
+    reloader = Reloader(app, config_path)
+    reloader.remember()
+    reloader.on_sighup()

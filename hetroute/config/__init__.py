@@ -33,8 +33,18 @@ from hetroute.config.sections import (
     TokensConfig,
     parse_sections,
 )
+from hetroute.dns_settings import DNS_DISCOVERY, DnsConfig
 from hetroute.errors import ConfigError
-from hetroute.fields import NON_NEGATIVE, as_mapping, check_keys, integer, load_yaml, opt_string, string
+from hetroute.fields import (
+    NON_NEGATIVE,
+    as_mapping,
+    check_keys,
+    integer,
+    load_yaml,
+    opt_string,
+    read_dataclass,
+    string,
+)
 from hetroute.learning.settings import LearningConfig
 from hetroute.policy_names import policy_names
 from hetroute.prefix.settings import PrefixConfig
@@ -48,6 +58,7 @@ __all__ = [
     "BackendConfig",
     "ComponentConfig",
     "Config",
+    "DnsConfig",
     "HealthConfig",
     "LearningConfig",
     "PrefixConfig",
@@ -88,12 +99,18 @@ class Config:
     learning: LearningConfig = field(default_factory=LearningConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
+    dns: DnsConfig = field(default_factory=DnsConfig)
     admin_token: str | None = None
     default_model: str | None = None
     seed: int = 0
 
     def specs(self) -> tuple[BackendSpec, ...]:
-        return tuple(b.to_spec(i) for i, b in enumerate(self.backends))
+        """The fixed backends (entries with DNS discovery are not backends themselves)."""
+        return tuple(b.to_spec(i) for i, b in enumerate(self.backends) if b.discovery is None)
+
+    def dns_entries(self) -> tuple[BackendConfig, ...]:
+        """The entries whose URL's host is re-resolved into backends (``discovery: dns``)."""
+        return tuple(b for b in self.backends if b.discovery == DNS_DISCOVERY)
 
     def with_backends(self, backends: Sequence[BackendConfig]) -> Config:
         return replace(self, backends=tuple(backends))
@@ -102,7 +119,7 @@ class Config:
 _TOP_KEYS = (
     "backends", "defaults", "profiles", "policy", "predictor", "server", "timeouts", "retries",
     "health", "scrape", "tokens", "learning", "admin_token", "default_model", "seed", "admission",
-    "prefix",
+    "prefix", "dns",
 )  # fmt: skip
 
 
@@ -138,6 +155,7 @@ def config_from_dict(
         policy=_policy(root.get("policy")),
         predictor=_component(root.get("predictor"), "predictor", None),
         admission=parse_admission(root.get("admission")),
+        dns=read_dataclass(DnsConfig, root.get("dns"), "dns"),
         admin_token=opt_string(root, "admin_token", "<root>") or env.get(ADMIN_TOKEN_ENV) or None,
         default_model=opt_string(root, "default_model", "<root>"),
         seed=integer(root, "seed", "<root>", 0, NON_NEGATIVE),

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlsplit
 
+from hetroute.dns_settings import DNS_DISCOVERY
 from hetroute.errors import ConfigError
 from hetroute.fields import (
     AT_LEAST_ONE,
@@ -30,13 +31,14 @@ from hetroute.fields import (
     number,
     opt_integer,
     opt_string,
+    optional,
 )
 from hetroute.latency import LatencyProfile, ProfileError, load_profile
 from hetroute.types import ENGINE_KINDS, BackendFields, BackendSpec, EngineKind
 
 BACKEND_KEYS = (
     "name", "url", "engine", "models", "weight", "labels", "gpu", "tp",
-    "profile", "kv_capacity_tokens", "max_num_seqs",
+    "profile", "kv_capacity_tokens", "max_num_seqs", "discovery",
 )  # fmt: skip
 DEFAULTS_KEYS = ("engine", "weight", "labels", "profile", "kv_capacity_tokens", "max_num_seqs")
 
@@ -47,6 +49,8 @@ class BackendConfig(BackendFields):
 
     engine: EngineKind | None = None
     models: tuple[str, ...] | None = None
+    discovery: str | None = None
+    """``dns``: the URL's host names a set of servers, re-resolved (:mod:`hetroute.backends.dns`)."""
 
     @property
     def resolved(self) -> bool:
@@ -105,13 +109,14 @@ def _profile(
 
 def backend_from_dict(
     raw: Any,
-    path: str,
+    path: str = "backend",
     *,
     defaults: Mapping[str, Any] | None = None,
     profiles: Mapping[str, str] | None = None,
     base_dir: Path | None = None,
 ) -> BackendConfig:
     """Validate one decoded backend entry into a :class:`BackendConfig`; errors name ``<path>.<field>``.
+    The config's ``backends:`` items and the body of ``POST /admin/backends`` both go through it.
 
     ``defaults`` (the config's ``defaults:`` section) fill absent fields; ``profile`` is a key of
     ``profiles`` or a file path, relative paths resolving against ``base_dir`` (default: the working
@@ -141,6 +146,7 @@ def backend_from_dict(
         profile_path=profile_path,
         kv_capacity_tokens=opt_integer(merged, "kv_capacity_tokens", path, AT_LEAST_ONE),
         max_num_seqs=opt_integer(merged, "max_num_seqs", path, AT_LEAST_ONE),
+        discovery=optional(merged, "discovery", path, lambda v, p: as_choice(v, p, (DNS_DISCOVERY,))),
     )
 
 

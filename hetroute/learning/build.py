@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from hetroute.latency import LatencyProfile
 from hetroute.learning.live import LiveModels, PriorModel
 from hetroute.learning.settings import LearningConfig
-from hetroute.policies.backend_model import NEUTRAL_LEARNING_PRIOR, BackendModels
+from hetroute.policies.backend_model import NEUTRAL_LEARNING_PRIOR, BackendModel, BackendModels
 
 
 def _kind(latency_source: str) -> str:
@@ -26,32 +26,32 @@ def _kind(latency_source: str) -> str:
     return "neutral"
 
 
+def prior_of(
+    model: BackendModel, saved: LatencyProfile | None = None
+) -> tuple[PriorModel, tuple[float, ...]]:
+    """One backend's prior (best source first, see the module docstring) and the p1..p8 published
+    until its first fit."""
+    if saved is not None:
+        samples = saved.sweep.get("live_samples", "?")
+        params = saved.params.as_tuple()
+        return PriorModel(params, f"saved live model ({samples} samples)", "saved"), params
+    kind = _kind(model.latency_source)
+    start = model.params.as_tuple()
+    if kind == "neutral":
+        return PriorModel(NEUTRAL_LEARNING_PRIOR.as_tuple(), model.latency_source, "neutral"), start
+    return PriorModel(start, model.latency_source, kind), start
+
+
 def build_live_models(
     models: BackendModels, config: LearningConfig, saved: Mapping[int, LatencyProfile] | None = None
 ) -> LiveModels:
     """Live models for every backend of ``models``, each starting from its best prior."""
-    priors = []
-    for i, m in enumerate(models.models):
-        found = (saved or {}).get(i)
-        if found is not None:
-            samples = found.sweep.get("live_samples", "?")
-            priors.append(
-                PriorModel(found.params.as_tuple(), f"saved live model ({samples} samples)", "saved")
-            )
-        elif _kind(m.latency_source) == "neutral":
-            priors.append(PriorModel(NEUTRAL_LEARNING_PRIOR.as_tuple(), m.latency_source, "neutral"))
-        else:
-            priors.append(PriorModel(m.params.as_tuple(), m.latency_source, _kind(m.latency_source)))
+    found = [prior_of(m, (saved or {}).get(i)) for i, m in enumerate(models.models)]
     return LiveModels(
         [b.name for b in models.backends],
-        priors,
+        [prior for prior, _ in found],
         [float(v) for v in models.fallback_capacity_tokens],
         [float(v) for v in models.max_num_seqs],
         config,
-        initial_params=[
-            saved_params.params.as_tuple()
-            if (saved_params := (saved or {}).get(i)) is not None
-            else m.params.as_tuple()
-            for i, m in enumerate(models.models)
-        ],
+        initial_params=[start for _, start in found],
     )

@@ -104,6 +104,42 @@ class LiveModels:
         self.params: FloatArray = params
         self.samples: FloatArray = self._samples()
 
+    def set_slot(
+        self,
+        i: int,
+        name: str,
+        prior: PriorModel,
+        capacity_tokens: float,
+        max_num_seqs: float,
+        initial_params: Sequence[float] | None = None,
+    ) -> None:
+        """Slot ``i`` holds backend ``name``, learned from nothing but ``prior`` (one past the last: grow;
+        live backend changes). Published arrays are replaced whole, as :meth:`refit` does."""
+        cfg = self.config
+        fresh = _Backend(
+            prior, deque(maxlen=cfg.window), deque(maxlen=DRIFT_WINDOW), deque(maxlen=ERROR_WINDOW)
+        )
+        row = np.array(initial_params if initial_params is not None else prior.params, dtype=np.float64)
+        names = list(self.names)
+        params = self.params.copy()
+        if i == len(self._b):
+            self._b.append(fresh)
+            names.append(name)
+            self._fallback_caps = np.append(self._fallback_caps, capacity_tokens)
+            self._caps = np.append(self._caps, capacity_tokens)
+            self._max_seqs = np.append(self._max_seqs, max_num_seqs)
+            params = np.vstack([params, row.reshape(1, 8)])
+        else:
+            self._b[i] = fresh
+            names[i] = name
+            self._fallback_caps[i] = self._caps[i] = capacity_tokens
+            self._max_seqs[i] = max_num_seqs
+            params[i] = row
+        self.names = tuple(names)
+        params.flags.writeable = False
+        self.params = params
+        self.samples = self._samples()
+
     # ------------------------------------------------------------ the request path
 
     def observe(self, obs: Observation) -> None:
@@ -111,7 +147,8 @@ class LiveModels:
         b = self._b[obs.backend_index]
         i = obs.backend_index
         cap, seqs = float(self._caps[i]), float(self._max_seqs[i])
-        predicted = predict_e2e_s(self.params[i], obs, cap, seqs)
+        params = self.params[i].tolist()  # plain floats: the predictions below index them often
+        predicted = predict_e2e_s(params, obs, cap, seqs)
         if obs.e2e_s > 0 and predicted > 0:
             err = abs(predicted / obs.e2e_s - 1.0)
             b.errors.append(err)
@@ -122,13 +159,13 @@ class LiveModels:
             # and only against a model fitted on enough requests (not the prior while it is learned).
             decode_s = obs.decode_s
             judged = b.fit is not None and b.fit.samples >= 2 * DRIFT_WINDOW
-            tpot = predict_tpot_s(self.params[i], obs, cap, seqs)
-            if not judged:
-                pass
-            elif decode_s is not None and obs.output_tokens >= 2 and decode_s > 0 and tpot > 0:
-                b.residuals.append((obs.finished_at_s, math.log(decode_s / (obs.output_tokens - 1) / tpot)))
-            else:
-                b.residuals.append((obs.finished_at_s, math.log(obs.e2e_s / predicted)))
+            if judged:
+                tpot = predict_tpot_s(params, obs, cap, seqs) if decode_s is not None else 0.0
+                if decode_s is not None and obs.output_tokens >= 2 and decode_s > 0 and tpot > 0:
+                    residual = math.log(decode_s / (obs.output_tokens - 1) / tpot)
+                else:
+                    residual = math.log(obs.e2e_s / predicted)
+                b.residuals.append((obs.finished_at_s, residual))
         b.observations.append(obs)
         b.observed_total += 1
         b.since_regime += 1

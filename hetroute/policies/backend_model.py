@@ -180,8 +180,19 @@ class BackendModels:
         self, backends: Sequence[BackendSpec], prior: PriorFn | None = None, *, log_fallbacks: bool = True
     ) -> None:
         self.backends = tuple(backends)
-        cached = _cached(prior) if prior is not None else None
-        self.models = tuple(resolve_backend(b, cached) for b in self.backends)
+        self._prior = _cached(prior) if prior is not None else None
+        self._log_fallbacks = log_fallbacks
+        self.models = tuple(resolve_backend(b, self._prior) for b in self.backends)
+        self._arrays()
+        for spec, model in zip(self.backends, self.models, strict=True):
+            self._log(spec, model)
+
+    def _log(self, spec: BackendSpec, model: BackendModel) -> None:
+        if self._log_fallbacks and not model.latency_source.startswith("profile"):
+            log.info("backend %s has no latency profile: using %s", spec.name, model.latency_source)
+
+    def _arrays(self) -> None:
+        """The evaluation arrays from ``models``, each replaced whole."""
         self.params: FloatArray = np.array(
             [m.params.as_tuple() for m in self.models], dtype=np.float64
         ).reshape(len(self.models), 8)
@@ -193,9 +204,32 @@ class BackendModels:
         neutral = float(np.median(known)) if known.size else NEUTRAL_KV_CAPACITY_TOKENS
         self.neutral_capacity_tokens = neutral
         self.fallback_capacity_tokens: FloatArray = np.where(np.isfinite(static), static, neutral)
-        for spec, model in zip(self.backends, self.models, strict=True):
-            if log_fallbacks and not model.latency_source.startswith("profile"):
-                log.info("backend %s has no latency profile: using %s", spec.name, model.latency_source)
+
+    def with_slot(self, i: int, spec: BackendSpec) -> BackendModels:
+        """A copy with ``spec`` resolved into slot ``i`` (one past the last: one more slot), sharing this
+        instance's memoised prior: a replica of a backend already known costs no fit, a new
+        (gpu, model, tp) pair fits its roofline prior here, once."""
+        backends, models = list(self.backends), list(self.models)
+        model = resolve_backend(spec, self._prior)
+        if i == len(models):
+            backends.append(spec)
+            models.append(model)
+        else:
+            backends[i], models[i] = spec, model
+        out = object.__new__(BackendModels)
+        out._prior, out._log_fallbacks = self._prior, self._log_fallbacks
+        out.backends, out.models = tuple(backends), tuple(models)
+        out._arrays()
+        return out
+
+    def set_slot(self, i: int, spec: BackendSpec) -> BackendModel:
+        """:meth:`with_slot`, in place (live backend changes): the arrays are replaced whole, so a
+        decision holding the old ones never sees half an update."""
+        other = self.with_slot(i, spec)
+        self.backends, self.models = other.backends, other.models
+        self._arrays()
+        self._log(spec, self.models[i])
+        return self.models[i]
 
     @classmethod
     def from_specs(cls, backends: Sequence[BackendSpec]) -> BackendModels:

@@ -48,6 +48,13 @@ import numpy as np
 from hetroute.fields import UNIT, NonNegativeInt, PositiveInt, Range
 from hetroute.policies.backend_model import BackendModels
 from hetroute.policies.base import PolicyContext, read_params, seeded_rng
+from hetroute.policies.minmax_scalar import MAX_EXPONENT as MAX_EXPONENT
+from hetroute.policies.minmax_scalar import (
+    PREFIX_BALANCE_ABS_S,
+    PREFIX_BALANCE_REL,
+    SCALAR_MAX_BACKENDS,
+    choose_scalar,
+)
 from hetroute.types import ClusterSnapshot, FloatArray, IntArray, RequestFeatures, RoutingDecision
 
 KvSignal = Literal["ledger", "paper", "engine", "max"]
@@ -60,8 +67,6 @@ EXPLORE_MIN_SAMPLES = 3
 """Default ``explore_min_samples``: observations after which a backend is no longer explored."""
 EXPLORE_MAX_OUTPUT_TOKENS = 256
 """Default ``explore_max_output_tokens``: only requests predicted this short are used as probes."""
-MAX_EXPONENT = 30.0
-"""Cap on θ·kvusage: e^30 ≈ 1e13 keeps loads finite and releases exact enough in float64."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,9 +130,6 @@ class _Unset:
 
 
 UNSET = _Unset()
-
-PREFIX_BALANCE_REL = 0.25
-PREFIX_BALANCE_ABS_S = 0.5
 
 
 class MinMaxPolicy:
@@ -232,6 +234,18 @@ class MinMaxPolicy:
     def choose(
         self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray
     ) -> RoutingDecision:
+        """The min-max choice: in scalar Python for a small fleet (:mod:`.minmax_scalar`, the same
+        decision bit for bit), else over arrays (:meth:`choose_vectorised`)."""
+        if snapshot.workload.size <= SCALAR_MAX_BACKENDS:
+            decision = choose_scalar(self, self._rng, features, snapshot, candidates)
+            if decision is not None:
+                return decision
+        return self.choose_vectorised(features, snapshot, candidates)
+
+    def choose_vectorised(
+        self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray
+    ) -> RoutingDecision:
+        """The min-max choice over numpy arrays (any fleet size, every KV signal)."""
         cached = self._cached(snapshot, candidates)  # once per decision, for both terms
         t, u, w = self.costs(features, snapshot, candidates, cached)
         loads = snapshot.workload

@@ -150,6 +150,17 @@ class PrefixIndex:
         if len(holders) > self._max_chunks:
             self._trim_global()
 
+    def set_slot(self, backend: int) -> None:
+        """Slot ``backend`` holds a new backend with an empty cache (one past the last: grow)."""
+        if backend == self._n:
+            self._n += 1
+            self._lru.append(OrderedDict())
+            self._capacity.append(self._max_chunks)
+            self._all = (1 << self._n) - 1
+        else:
+            self.forget_backend(backend)
+            self._capacity[backend] = self._max_chunks
+
     def forget_backend(self, backend: int) -> None:
         """Drop everything ``backend`` was assumed to hold (it restarted, or its cache was reset)."""
         bit = 1 << backend

@@ -50,3 +50,7 @@ class SessionTable:
         entries[session] = (backend, now_s)
         while len(entries) > self._max:
             del entries[next(iter(entries))]
+
+    def forget_backend(self, backend: int) -> None:
+        """Drop every session last sent to ``backend`` (it left the cluster; O(sessions), rare)."""
+        self._entries = {k: v for k, v in self._entries.items() if v[0] != backend}

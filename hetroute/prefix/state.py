@@ -59,6 +59,14 @@ class PrefixState:
         for b, cap in enumerate(caps):
             self.index.set_capacity(b, cap / ROUTER_CHUNK_TOKENS if math.isfinite(cap) else math.nan)
 
+    def set_slot(self, backend: int) -> None:
+        """Slot ``backend`` holds a new backend: nothing cached, fully trusted, no sessions (one past the
+        last: grow). Capacities are set again at the next snapshot."""
+        self.index.set_slot(backend)
+        self.trust.set_slot(backend)
+        self.sessions.forget_backend(backend)
+        self._caps = ()
+
     def scraped(self, metrics: Sequence[EngineMetrics | None]) -> None:
         """Fold the latest scrapes into the trust (an engine restart forgets that backend's entries)."""
         for b, m in enumerate(metrics):

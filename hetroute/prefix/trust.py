@@ -38,6 +38,20 @@ class CacheTrust:
         self._last_metrics: list[EngineMetrics | None] = [None] * backends
         self._view: FloatArray = self._frozen()
 
+    def set_slot(self, backend: int) -> None:
+        """Slot ``backend`` holds a new backend, fully trusted and unscraped (one past the last: grow)."""
+        if backend == len(self._predicted):
+            self._trust = np.append(self._trust, 1.0)
+            self._predicted.append(0.0)
+            self._last_hits.append(None)
+            self._last_metrics.append(None)
+        else:
+            self._trust[backend] = 1.0
+            self._predicted[backend] = 0.0
+            self._last_hits[backend] = None
+            self._last_metrics[backend] = None
+        self._view = self._frozen()
+
     def _frozen(self) -> FloatArray:
         view = self._trust.copy()
         view.flags.writeable = False

@@ -23,7 +23,8 @@ Non-streaming answers are read whole (they are one JSON object, needed for ``usa
 
 The pieces live beside it: the stream relay loop and its in-stream error ending (:mod:`.relay`), the
 headers sent each way (:mod:`.headers`), failures before the first byte and the answer when all attempts
-failed (:mod:`.failover`), and the usage of a non-streaming answer (:mod:`.usage`).
+failed (:mod:`.failover`), the usage of a non-streaming answer (:mod:`.usage`), and the client sessions
+(:mod:`.upstream`, injected at construction). The ledger is reached through the router only.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from typing import NoReturn
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 
 from hetroute.access_log import AccessLog, AccessRecord
 from hetroute.admission.gate import AdmissionGate
@@ -49,6 +49,7 @@ from hetroute.proxy.headers import client_headers, upstream_headers
 from hetroute.proxy.protocols import ParsedRequest, TokenEstimator
 from hetroute.proxy.relay import end_with_error, pump
 from hetroute.proxy.sse import OpenAIStreamTap, TgiStreamTap
+from hetroute.proxy.upstream import Upstream
 from hetroute.proxy.usage import usage_of
 from hetroute.proxy.watchdog import Watchdog, Watchdogs
 from hetroute.routing.ledger import Ticket
@@ -69,6 +70,20 @@ class ForwardSettings:
     """Retry a non-streaming request elsewhere after ``request_s`` (the engine's work is lost)."""
 
 
+@dataclass(slots=True)
+class Attempt:
+    """One try of a client request on the backend its ticket names: what every step reads and records."""
+
+    request: web.Request
+    parsed: ParsedRequest
+    ticket: Ticket
+    rec: AccessRecord
+    start_s: float
+    """When the client request reached the forwarder (its clock): TTFT and duration count from here."""
+    watchdog: Watchdog
+    """First-byte (or whole-request), then idle deadline of this attempt; closed when it ends."""
+
+
 class Forwarder:
     """Relays one client request to the backends chosen by the router."""
 
@@ -84,7 +99,11 @@ class Forwarder:
         clock: Clock,
         settings: ForwardSettings,
         id_prefix: str,
+        upstream: Upstream,
+        admission: AdmissionGate | None = None,
     ) -> None:
+        """``upstream``: the client sessions, opened by the app before the first request;
+        ``admission``: the queue in front of the router when it is enabled."""
         self.router = router
         self.health = health
         self.telemetry = telemetry
@@ -93,12 +112,11 @@ class Forwarder:
         self.predictor = predictor
         self.clock = clock
         self.settings = settings
-        self.session: aiohttp.ClientSession | None = None  # pooled; set by the app's cleanup_ctx
-        self.fresh_session: aiohttp.ClientSession | None = None  # one new connection per request
+        self.upstream = upstream
         self._ids = itertools.count(1)
         self._watchdogs = Watchdogs()
         self._id_prefix = id_prefix
-        self.admission: AdmissionGate | None = None  # set by the app when the queue is enabled
+        self.admission = admission
 
     def abort_in_flight(self, reason: str) -> int:
         """End every request in flight now (shutdown after the grace period): streams get the
@@ -140,8 +158,10 @@ class Forwarder:
                 tried.append(ticket.backend_index)
                 rec.backend, rec.policy, rec.reason = ticket.backend_name, ticket.policy, ticket.reason
                 rec.attempts = len(tried)
+                limit_s = self.settings.first_byte_s if parsed.stream else self.settings.request_s
                 try:
-                    return await self._attempt(request, parsed, ticket, rec, start)
+                    attempt = Attempt(request, parsed, ticket, rec, start, self._watchdogs.start(limit_s))
+                    return await self._attempt(attempt)
                 except AttemptFailure as f:
                     failure = f
                 finally:
@@ -209,40 +229,18 @@ class Forwarder:
         )
         self.access_log.write(rec)
 
-    async def _open(self, url: str, body: bytes, headers: CIMultiDict[str]) -> aiohttp.ClientResponse:
-        assert self.session is not None and self.fresh_session is not None, (
-            "the app's sessions are not running"
-        )
-        try:
-            return await self.session.post(url, data=body, headers=headers)
-        except (
-            aiohttp.ServerDisconnectedError,
-            aiohttp.ClientOSError,
-            aiohttp.ClientConnectionResetError,
-        ) as exc:
-            # A refused connection is a real failure. A pooled keep-alive socket that the
-            # upstream had closed (llama.cpp after every stream: "Cannot write to closing
-            # transport", ServerDisconnected) failed before anything was answered: retry once
-            # on a connection that is certainly new (the pool may hold more stale ones).
-            if isinstance(exc, aiohttp.ClientConnectorError):
-                raise
-            return await self.fresh_session.post(url, data=body, headers=headers)
-
-    async def _attempt(
-        self, request: web.Request, parsed: ParsedRequest, ticket: Ticket, rec: AccessRecord, start: float
-    ) -> web.StreamResponse:
-        spec = self.router.backends[ticket.backend_index]
-        i = ticket.backend_index
+    async def _attempt(self, a: Attempt) -> web.StreamResponse:
+        """Send ``a`` upstream and answer the client; AttemptFailure when another backend may be tried."""
+        parsed, watchdog = a.parsed, a.watchdog
+        i = a.ticket.backend_index
         resp: aiohttp.ClientResponse | None = None
         sent_at = self.clock.now()
-        limit_s = self.settings.first_byte_s if parsed.stream else self.settings.request_s
-        watchdog = self._watchdogs.start(limit_s)
         try:
             try:
-                resp = await self._open(
-                    spec.url + parsed.upstream_path,
+                resp = await self.upstream.post(
+                    self.router.backends[i].url + parsed.upstream_path,
                     parsed.body,
-                    upstream_headers(request.headers, rec.request_id),
+                    upstream_headers(a.request.headers, a.rec.request_id),
                 )
                 status = resp.status
                 if status >= 500 or status == 429:
@@ -251,8 +249,7 @@ class Forwarder:
                         self.health.record_failure(i, f"status {status}")
                     raise AttemptFailure(f"status {status}", status=status, body=body)
                 if not parsed.stream or status != 200:
-                    body = await resp.read()
-                    return self._complete(parsed, ticket, rec, resp, body, start)
+                    return self._complete(a, resp, await resp.read())
                 first = await resp.content.readany()
             except asyncio.CancelledError as exc:
                 if not watchdog.fired():
@@ -262,13 +259,13 @@ class Forwarder:
                 if parsed.stream:
                     self.health.record_failure(i, "first-byte timeout")
                     raise AttemptFailure("first-byte timeout", timeout=True) from exc
-                self._request_timeout(i, sent_at, rec)
+                self._request_timeout(i, sent_at, a.rec)
             except (aiohttp.ClientError, OSError) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
                 self.health.record_failure(i, reason)
                 raise AttemptFailure(reason) from exc
             watchdog.rearm(self.settings.idle_s)
-            return await self._stream(request, parsed, ticket, rec, resp, first, start, watchdog)
+            return await self._stream(a, resp, first)
         finally:
             watchdog.close()
             if resp is not None:
@@ -284,69 +281,47 @@ class Forwarder:
         rec.error = reason
         raise ApiError(504, f"the request did not complete within {self.settings.request_s:g} s")
 
-    def _learn(
-        self,
-        parsed: ParsedRequest,
-        rec: AccessRecord,
-        ticket: Ticket,
-        prompt: int | None,
-        completion: int | None,
-        *,
-        streamed: bool,
-    ) -> None:
+    def _learn(self, a: Attempt, prompt: int | None, completion: int | None, *, streamed: bool) -> None:
         """A successful answer teaches the token estimator, the output-length predictor and, through
         ``router.complete``, the backend's live latency model."""
+        rec = a.rec
         model = rec.model or ""
-        self.estimator.observe(model, parsed.prompt_chars, prompt)
+        self.estimator.observe(model, a.parsed.prompt_chars, prompt)
         if prompt is not None:
             rec.prompt_tokens = prompt
         if completion is not None:
             rec.completion_tokens = completion
             self.predictor.observe(model, rec.prompt_tokens or 0, completion)
-            self.router.complete(ticket, completion, input_tokens=prompt, streamed=streamed)
+            self.router.complete(a.ticket, completion, input_tokens=prompt, streamed=streamed)
 
-    def _complete(
-        self,
-        parsed: ParsedRequest,
-        ticket: Ticket,
-        rec: AccessRecord,
-        resp: aiohttp.ClientResponse,
-        body: bytes,
-        start: float,
-    ) -> web.Response:
+    def _complete(self, a: Attempt, resp: aiohttp.ClientResponse, body: bytes) -> web.Response:
+        """The client's answer to a non-streaming request (or a stream's non-200), read whole."""
         now = self.clock.now()
-        self.router.ledger.first_token(ticket, now)
-        rec.ttft_s, rec.status = now - start, resp.status
+        ticket, rec = a.ticket, a.rec
+        self.router.first_token(ticket, now)
+        rec.ttft_s, rec.status = now - a.start_s, resp.status
         self.health.record_success(ticket.backend_index)
         if resp.status == 200:
-            self._learn(parsed, rec, ticket, *usage_of(parsed.api, body), streamed=False)
+            self._learn(a, *usage_of(a.parsed.api, body), streamed=False)
         headers = client_headers(resp.headers, ticket.backend_name, rec.request_id)
         return web.Response(status=resp.status, body=body, headers=headers)
 
-    async def _stream(
-        self,
-        request: web.Request,
-        parsed: ParsedRequest,
-        ticket: Ticket,
-        rec: AccessRecord,
-        resp: aiohttp.ClientResponse,
-        first: bytes,
-        start: float,
-        watchdog: Watchdog,
-    ) -> web.StreamResponse:
+    async def _stream(self, a: Attempt, resp: aiohttp.ClientResponse, first: bytes) -> web.StreamResponse:
+        """Relay a 200 stream whose first chunk is ``first``; errors after it end the stream in-band."""
+        parsed, ticket, rec, watchdog = a.parsed, a.ticket, a.rec, a.watchdog
         out = web.StreamResponse(
             status=resp.status, headers=client_headers(resp.headers, ticket.backend_name, rec.request_id)
         )
         tap: OpenAIStreamTap | TgiStreamTap = (
             OpenAIStreamTap(strip_usage=parsed.strip_usage) if parsed.api == "openai" else TgiStreamTap()
         )
-        ledger = self.router.ledger
+        router = self.router
         rec.status = resp.status
         try:
-            await out.prepare(request)
+            await out.prepare(a.request)
             first_at = self.clock.now()
-            ledger.first_token(ticket, first_at)
-            rec.ttft_s = first_at - start
+            router.first_token(ticket, first_at)
+            rec.ttft_s = first_at - a.start_s
             data = tap.feed(first)
             if data:
                 await out.write(data)
@@ -359,7 +334,7 @@ class Forwarder:
             rec.status, rec.error = 499, "client did not read the first chunk in time"
             return out
         error, client_gone = await pump(
-            out, resp, tap, ticket, watchdog, ledger.observe_generated, self.settings.idle_s
+            out, resp, tap, ticket, watchdog, router.observe_generated, self.settings.idle_s
         )
         if client_gone:
             rec.status, rec.error = 499, "client disconnected"
@@ -379,9 +354,7 @@ class Forwarder:
         if tap.events > 1:
             rec.itl_s = (end_at - first_at) / (tap.events - 1)
         self._learn(
-            parsed,
-            rec,
-            ticket,
+            a,
             tap.prompt_tokens,
             tap.completion_tokens if tap.completion_tokens is not None else tap.events,
             streamed=True,

@@ -19,10 +19,12 @@ import aiohttp
 from aiohttp import web
 
 from hetroute.backends.health import HealthTracker
+from hetroute.backends.membership import Membership
 from hetroute.backends.scrape import MetricsStore
 from hetroute.learning.live import LiveModels
 from hetroute.policies.backend_model import BackendModels, describe_models
 from hetroute.proxy.admin_auth import bearer_token_matches
+from hetroute.proxy.admin_members import MemberAdmin
 from hetroute.proxy.api_errors import ApiError
 from hetroute.proxy.encodings import body_error, check_content_encoding
 from hetroute.proxy.forward import Forwarder
@@ -60,7 +62,11 @@ class Gateway:
         backend_models: BackendModels,
         learner: LiveModels | None = None,
         body_timeout_s: float = 60.0,
+        membership: Membership | None = None,
+        workers: int = 1,
+        drain_timeout_s: float = 30.0,
     ) -> None:
+        """``membership`` (None: the backend set is fixed) enables ``POST``/``DELETE /admin/backends``."""
         self.forwarder = forwarder
         self.router = router
         self.health = health
@@ -73,6 +79,19 @@ class Gateway:
         self.backend_models = backend_models
         self.learner = learner
         self.body_timeout_s = body_timeout_s
+        self.membership = membership
+        self.members = (
+            MemberAdmin(
+                membership,
+                lambda: forwarder.upstream.session,
+                admin_token=admin_token,
+                workers=workers,
+                discovery_timeout_s=info_timeout_s,
+                default_drain_timeout_s=drain_timeout_s,
+            )
+            if membership is not None
+            else None
+        )
 
     async def _body(self, request: web.Request) -> bytes:
         """The decoded body, read within ``body_timeout_s``; ApiError 408/413/415/400 otherwise."""
@@ -81,6 +100,8 @@ class Gateway:
             raise ApiError(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}")
         check_content_encoding(request)
         try:
+            if request.content.is_eof():  # the whole body came with the head: nothing to wait for, and
+                return await request.read()  # no timer to arm (one costs µs per request under uvloop)
             async with asyncio.timeout(self.body_timeout_s):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
@@ -116,6 +137,8 @@ class Gateway:
         """An OpenAI request without ``model``: the one model served, as vLLM does when it serves one
         (its first); with several, the client must choose (400 listing them)."""
         served = self.router.models("openai")
+        if not served:
+            raise ApiError(503, "no backend is in the cluster right now")
         if len(served) != 1:
             listed = ", ".join(served)
             raise ApiError(
@@ -149,8 +172,8 @@ class Gateway:
 
     async def info(self, request: web.Request) -> web.Response:
         """TGI ``/info`` of an available TGI backend serving the TGI model."""
-        session = self.forwarder.session
-        if self.tgi_model is None or session is None:
+        session = self.forwarder.upstream.session
+        if self.tgi_model is None:
             raise ApiError(404, "no backend speaks the TGI API")
         for i in self.router.serving(self.tgi_model, "tgi"):
             if not self.health.is_available(i):
@@ -181,7 +204,7 @@ class Gateway:
         """Readiness (a Kubernetes readinessProbe, a load balancer's check): 200 once the backends are
         discovered (the app is built only after that) and at least one is available and has been
         heard from (a passed probe or a successful request); 503 with the counts otherwise."""
-        discovered = len(self.router.backends)
+        discovered = len(self.router.members())
         healthy = self.health.confirmed_available_count()
         body: dict[str, object] = {
             "status": "ready" if healthy else "not ready",
@@ -209,6 +232,9 @@ class Gateway:
         foreign = router.foreign_requests()
         out = []
         for i, spec in enumerate(router.backends):
+            state = self.membership.state(i) if self.membership is not None else "member"
+            if state == "free":
+                continue
             metrics = last[i]
             age = self.metrics.age_s(i)
             if spec.profile is not None:
@@ -228,6 +254,7 @@ class Gateway:
             out.append(
                 {
                     "name": spec.name,
+                    "state": state,
                     "url": spec.url,
                     "engine": spec.engine,
                     "models": list(spec.models),
@@ -276,4 +303,7 @@ def add_routes(app: web.Application, gw: Gateway) -> None:
     app.router.add_get("/live", gw.live_check, allow_head=False, expect_handler=expect)
     app.router.add_get("/metrics", gw.telemetry.handle_metrics, allow_head=False, expect_handler=expect)
     app.router.add_get("/admin/backends", gw.admin_backends, allow_head=False, expect_handler=expect)
+    if gw.members is not None:
+        app.router.add_post("/admin/backends", gw.members.add, expect_handler=expect)
+        app.router.add_delete("/admin/backends/{name}", gw.members.remove, expect_handler=expect)
     app.router.add_route("*", "/{tail:.*}", gw.not_found, expect_handler=expect)

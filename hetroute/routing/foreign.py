@@ -88,6 +88,21 @@ class ForeignLoad:
         self._live_key: tuple[EngineMetrics | None, ...] | None = None
         self._live: tuple[FloatArray, FloatArray, float] = (self._counts, self._own_at_scrape, 0.0)
 
+    def set_slot(self, backend: int) -> None:
+        """Slot ``backend`` starts afresh (live backend changes): one past the last grows the arrays."""
+        if backend == len(self._seen):
+            self._counts = np.append(self._counts, 0.0)
+            self._own_at_scrape = np.append(self._own_at_scrape, 0.0)
+            self._waiting_share = np.append(self._waiting_share, 0.0)
+            self._seen.append(None)
+            self._profile = np.hstack([self._profile, np.zeros((_ROWS, 1), dtype=np.float64)])
+        else:
+            self._counts[backend] = self._own_at_scrape[backend] = self._waiting_share[backend] = 0.0
+            self._seen[backend] = None
+            self._profile[:, backend] = 0.0
+        self._any = self.mode != "off" and bool(self._counts.any())
+        self._live_key = None
+
     def scraped(self, backend: int, metrics: EngineMetrics, own_in_flight: float) -> None:
         """Backend ``backend``'s scrape ``metrics`` was just published; the router had
         ``own_in_flight`` requests there at that instant."""

@@ -61,17 +61,45 @@ class Ledger:
         n = len(backend_names)
         self.backend_names: tuple[str, ...] = tuple(backend_names)
         self.requests_in_flight: IntArray = np.zeros(n, dtype=np.int64)
-        # The float counters are rows of one 2-D array, so a snapshot is one copy (see snapshot_arrays).
         self._floats: FloatArray = np.zeros((6, n), dtype=np.float64)
+        self.dispatched_total: IntArray = np.zeros(n, dtype=np.int64)
+        self.released_total: IntArray = np.zeros(n, dtype=np.int64)
+        self._bind_rows()
+        self._in_flight = 0
+
+    def _bind_rows(self) -> None:
+        # The float counters are rows of one 2-D array, so a snapshot is one copy (see snapshot_arrays).
         self.input_tokens_in_flight: FloatArray = self._floats[0]
         self.remaining_predicted_tokens: FloatArray = self._floats[1]
         self.generated_tokens_in_flight: FloatArray = self._floats[2]
         self.predicted_output_tokens_in_flight: FloatArray = self._floats[3]
         self.workload: FloatArray = self._floats[4]
         self.prefill_pending_tokens: FloatArray = self._floats[5]
-        self.dispatched_total: IntArray = np.zeros(n, dtype=np.int64)
-        self.released_total: IntArray = np.zeros(n, dtype=np.int64)
-        self._in_flight = 0
+
+    def set_slot(self, index: int, name: str) -> None:
+        """Give slot ``index`` to backend ``name`` with empty accounting (live backend changes,
+        :mod:`hetroute.backends.membership`). ``index`` is either one past the last slot (the arrays grow
+        by one) or a slot with nothing in flight, whose totals restart at zero.
+
+        Raises ValueError for any other index: a slot is never reused while a ticket may still release
+        into it."""
+        n = len(self.backend_names)
+        if index == n:
+            self.requests_in_flight = np.append(self.requests_in_flight, 0)
+            self._floats = np.hstack([self._floats, np.zeros((6, 1), dtype=np.float64)])
+            self.dispatched_total = np.append(self.dispatched_total, 0)
+            self.released_total = np.append(self.released_total, 0)
+            self._bind_rows()
+            self.backend_names = (*self.backend_names, name)
+            return
+        if not 0 <= index < n or self.requests_in_flight[index] != 0:
+            raise ValueError(f"ledger slot {index} is not free (in flight or out of range)")
+        self._floats[:, index] = 0.0
+        self.dispatched_total[index] = 0
+        self.released_total[index] = 0
+        names = list(self.backend_names)
+        names[index] = name
+        self.backend_names = tuple(names)
 
     def snapshot_arrays(self) -> tuple[IntArray, FloatArray]:
         """Read-only copies: ``requests_in_flight``, and a 6×n array whose rows are, in order,

@@ -82,8 +82,6 @@ class Router:
         """``available_all`` / ``latest_metrics_all``, when given, must equal ``is_available`` /
         ``latest_metrics`` over every backend in one call (the gateway's health tracker and metrics
         store provide them: one call per decision instead of one per backend)."""
-        if not backends:
-            raise ValueError("a router needs at least one backend")
         if ledger.backend_names != tuple(b.name for b in backends):
             raise ValueError("the ledger's backends differ from the router's")
         self.backends: tuple[BackendSpec, ...] = tuple(backends)
@@ -98,6 +96,15 @@ class Router:
         self._timer = timer
         self.learner = learner
         self.prefix = prefix
+        self.retired: frozenset[int] = frozenset()
+        """Slots whose backend left the cluster (draining, or free for the next backend added): never
+        routed to, not listed (live backend changes, :mod:`hetroute.backends.membership`)."""
+        self.foreign = ForeignLoad(len(self.backends), foreign)
+        self._decide_started = 0.0  # timer reading at the start of the last decide()
+        self._backends_changed()
+
+    def _backends_changed(self) -> None:
+        """Derive the per-backend constants from ``backends`` and drop every cache built on them."""
         self._serving: dict[tuple[str, Api], tuple[int, ...]] = {}
         self._profile_caps: FloatArray = np.array(
             [
@@ -114,28 +121,57 @@ class Router:
             dtype=np.float64,
         )
         self._range = range(len(self.backends))
-        self.foreign = ForeignLoad(len(self.backends), foreign)
         # Read-only arrays shared by successive snapshots while their inputs are unchanged.
         self._caps_key: tuple[EngineMetrics | None, ...] | None = None
         self._caps: FloatArray = self._profile_caps
         self._available_key: tuple[bool, ...] | None = None
         self._available: BoolArray = np.zeros(0, dtype=np.bool_)
-        self._decide_started = 0.0  # timer reading at the start of the last decide()
         self._cand_cache: tuple[tuple[int, ...], tuple[bool, ...], frozenset[int], IntArray] | None = None
+
+    def set_slot(self, index: int, spec: BackendSpec) -> None:
+        """Put backend ``spec`` in slot ``index``: one past the last (the cluster grows) or a retired slot
+        with nothing in flight. Resets the slot's ledger, foreign-load and prefix state; the caller
+        (:class:`~hetroute.backends.membership.Membership`) resets health, metrics, models and policy."""
+        if index != len(self.backends) and index not in self.retired:
+            raise ValueError(f"slot {index} is in use by backend {self.backends[index].name!r}")
+        self.ledger.set_slot(index, spec.name)  # raises while anything is still in flight there
+        self.foreign.set_slot(index)
+        if self.prefix is not None:
+            self.prefix.set_slot(index)
+        backends = list(self.backends)
+        if index == len(backends):
+            backends.append(spec)
+        else:
+            backends[index] = spec
+        self.backends = tuple(backends)
+        self.retired = self.retired - {index}
+        self._backends_changed()
+
+    def retire(self, index: int) -> None:
+        """Stop routing to slot ``index`` at once; its in-flight requests run to their end."""
+        self.retired = self.retired | {index}
+        self._backends_changed()
+
+    def members(self) -> tuple[int, ...]:
+        """The slots of the backends in the cluster (not retired), in slot order."""
+        return tuple(i for i in self._range if i not in self.retired)
 
     def serving(self, model: str, api: Api) -> tuple[int, ...]:
         """Indices of the backends that serve ``model`` through ``api`` (cached)."""
         key = (model, api)
         found = self._serving.get(key)
         if found is None:
-            found = tuple(i for i, b in enumerate(self.backends) if b.serves(model, api))
+            retired = self.retired
+            found = tuple(i for i, b in enumerate(self.backends) if i not in retired and b.serves(model, api))
             self._serving[key] = found
         return found
 
     def models(self, api: Api | None = None) -> tuple[str, ...]:
         """Every model some backend serves (through ``api`` when given), in config order."""
         seen: dict[str, None] = {}
-        for b in self.backends:
+        for i, b in enumerate(self.backends):
+            if i in self.retired:
+                continue
             if api is None or engine_speaks(b.engine, api):
                 for m in b.models:
                     seen.setdefault(m, None)
@@ -301,6 +337,14 @@ class Router:
         if self._on_decision is not None:
             self._on_decision(self.policy.name, ticket.backend_name, self._timer() - self._decide_started)
         return ticket
+
+    def first_token(self, ticket: Ticket, now_s: float) -> None:
+        """The first token of ``ticket``'s answer arrived at ``now_s`` (idempotent; see the ledger)."""
+        self.ledger.first_token(ticket, now_s)
+
+    def observe_generated(self, ticket: Ticket, generated_tokens: int) -> None:
+        """``ticket``'s answer has streamed ``generated_tokens`` tokens so far (cumulative)."""
+        self.ledger.observe_generated(ticket, generated_tokens)
 
     def complete(
         self, ticket: Ticket, output_tokens: int, *, input_tokens: int | None = None, streamed: bool = True

@@ -79,7 +79,7 @@ async def test_scrapes_publish_each_interval_and_a_stale_scrape_is_withheld(emul
     spec = BackendSpec(name="e", url=emu.url, engine="vllm", models=(MODEL,))
     ticks = Ticks(clock, limit=3)
     async with aiohttp.ClientSession() as session:
-        await _run(scrape_loop(store, session, [spec], 0, ScrapeConfig(interval_s=2.0), ticks))
+        await _run(scrape_loop(store, session, spec, 0, ScrapeConfig(interval_s=2.0), ticks))
     assert published == [0.0, 2.0, 4.0]  # stamped with the injected clock, one per interval
     latest = store.latest(0)
     assert latest is not None and latest.num_requests_running == 0.0
@@ -98,6 +98,6 @@ async def test_a_failing_scrape_is_recorded_and_the_loop_goes_on() -> None:
     ticks = Ticks(clock, limit=3)
     ticks.observe = lambda: store.errors[0]
     async with aiohttp.ClientSession() as session:
-        await _run(scrape_loop(store, session, [spec], 0, ScrapeConfig(interval_s=1.0, timeout_s=0.5), ticks))
+        await _run(scrape_loop(store, session, spec, 0, ScrapeConfig(interval_s=1.0, timeout_s=0.5), ticks))
     assert len(ticks.between) == 3 and all(isinstance(e, str) and e for e in ticks.between)
     assert store.latest(0) is None

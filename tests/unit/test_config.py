@@ -53,6 +53,7 @@ def _backend_err(i: int, **fields: Any) -> ConfigError:
         ({"colour": "red"}, "backends[1].colour"),
         ({"name": "a"}, "backends[1].name"),
         ({"profile": "/no/such/profile.yaml"}, "backends[1].profile"),
+        ({"discovery": "consul"}, "backends[1].discovery"),
     ],
 )
 def test_backend_errors_name_the_field(fields: dict[str, Any], path: str) -> None:
@@ -89,6 +90,9 @@ def test_missing_url_names_field() -> None:
         (_with(seed=-1), "<root>.seed"),
         (_with(unknown_section=1), "unknown_section"),
         (_with(profiles={"v100": 3}), "profiles.v100"),
+        (_with(dns={"interval_s": 0}), "dns.interval_s"),
+        (_with(dns={"nameservers": ["10.0.0.1:99999"]}), "dns.nameservers[0]"),
+        (_with(dns={"nameservers": [3]}), "dns.nameservers"),
     ],
 )
 def test_section_errors_name_the_field(data: dict[str, Any], path: str) -> None:

@@ -221,7 +221,7 @@ def test_servicemonitor_validates_against_its_crd_schema_and_scrapes_the_router_
 # ---------------------------------------------------------------- Kubernetes: the router
 
 
-def test_configmap_router_config_loads_and_lists_every_vllm_pod() -> None:
+def test_configmap_router_config_loads_and_discovers_the_vllm_pods_through_the_headless_service() -> None:
     cfg = _router_config()
     assert cfg.server.host == "0.0.0.0"
     assert cfg.server.port == CONTAINER["ports"][0]["containerPort"]
@@ -233,16 +233,15 @@ def test_configmap_router_config_loads_and_lists_every_vllm_pod() -> None:
     tp = int(vllm_args[vllm_args.index("--tensor-parallel-size") + 1])
     vllm_port = int(vllm_args[vllm_args.index("--port") + 1])
     assert vllm_port == vllm["ports"][0]["containerPort"] == headless["spec"]["ports"][0]["port"]
-    # one backend per StatefulSet pod, by its stable name <statefulset>-<ordinal>.<headless service>
-    name, service = STATEFULSET["metadata"]["name"], headless["metadata"]["name"]
-    expected = [f"{name}-{i}.{service}" for i in range(STATEFULSET["spec"]["replicas"])]
-    assert [urlsplit(b.url).hostname for b in cfg.backends] == expected
-    gpus = load_gpu_catalog()
-    for b in cfg.backends:
-        assert urlsplit(b.url).port == vllm_port and b.engine == "vllm"
-        assert b.models == (served,) and b.tp == tp == vllm["resources"]["limits"]["nvidia.com/gpu"]
-        assert b.gpu is not None and lookup_gpu(gpus, b.gpu)
-    assert len(cfg.specs()) == len(expected)  # engine and models given: no start-up discovery
+    # one entry re-resolving the headless Service's name: its A records are the ready pods
+    (entry,) = cfg.backends
+    assert entry.discovery == "dns" and cfg.dns_entries() == (entry,)
+    assert urlsplit(entry.url).hostname == headless["metadata"]["name"]
+    assert urlsplit(entry.url).port == vllm_port and entry.engine == "vllm"
+    assert entry.models == (served,) and entry.tp == tp == vllm["resources"]["limits"]["nvidia.com/gpu"]
+    assert entry.gpu is not None and lookup_gpu(load_gpu_catalog(), entry.gpu)
+    assert cfg.specs() == ()  # no fixed backend: the pods join as they are resolved
+    assert 0 < cfg.dns.interval_s <= cfg.health.probe_interval_s
 
 
 def test_deployment_two_replicas_rolling_update_and_security() -> None:
