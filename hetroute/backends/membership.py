@@ -32,6 +32,8 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from hetroute.backends.health import HealthTracker
 from hetroute.backends.scrape import MetricsStore
 from hetroute.clock import Sleeper
@@ -131,20 +133,22 @@ class Membership:
         router = self.router
         free = [i for i in sorted(router.retired) if self.in_flight(i) == 0]
         i = free[0] if free else len(router.backends)
-        # The policy must accept the new set (e.g. a per-backend weight list of the old length does not):
-        # try it on copies first, so a refused change leaves everything as it was.
+        # Everything that can fail runs first, on copies, so a refused change leaves all as it was: the
+        # policy must accept the new set (a per-backend weight list of the old length does not).
         trial = list(router.backends)
         trial[i : i + 1] = [spec]
+        models = self.backend_models.with_slot(i, spec)
         try:
-            self._build_policy(tuple(trial), self.backend_models.with_slot(i, spec))
+            self._build_policy(tuple(trial), models)
         except ConfigError as exc:
             raise MembershipError(f"the policy cannot take backend {spec.name!r}: {exc}") from exc
+        learned = self._starting_model(i, spec, models) if self.learner is not None else None
         router.set_slot(i, spec)
         self.health.set_slot(i, spec.name)
         self.metrics.set_slot(i)
-        model = self.backend_models.set_slot(i, spec)
-        if self.learner is not None:
-            prior, start = self._sibling_prior(i, spec) or prior_of(model)
+        self.backend_models.set_slot(i, spec)
+        if self.learner is not None and learned is not None:
+            prior, start = learned
             self.learner.set_slot(
                 i,
                 spec.name,
@@ -159,6 +163,18 @@ class Membership:
         for hook in self.on_join:
             hook(i, spec)
         return i
+
+    def _starting_model(
+        self, index: int, spec: BackendSpec, models: BackendModels
+    ) -> tuple[PriorModel, tuple[float, ...]]:
+        """Where the learner starts for ``spec`` joining in slot ``index`` (``models``: the static
+        models with it): an identical replica's learned model, else its own prior (profile, roofline),
+        else, when nothing is known, the median of the learned members, else the neutral default."""
+        prior, start = prior_of(models.models[index])
+        found = self._sibling_prior(index, spec)
+        if found is None and prior.kind == "neutral":
+            found = self._fleet_prior(index)
+        return found if found is not None else (prior, start)
 
     def _sibling_prior(self, index: int, spec: BackendSpec) -> tuple[PriorModel, tuple[float, ...]] | None:
         """For a backend with no profile of its own: the model a *sibling* learned, a member identical
@@ -184,6 +200,26 @@ class Membership:
         params = tuple(float(v) for v in learner.params[j])
         source = f"learned by its sibling {backends[j].name} ({samples} samples)"
         return PriorModel(params, source, "saved"), params
+
+    def _fleet_prior(self, index: int) -> tuple[PriorModel, tuple[float, ...]] | None:
+        """For a backend nothing is known about (no profile, no catalog prior, no sibling): the
+        element-wise median of p1..p8 over the members fitted on at least ``SIBLING_MIN_SAMPLES``
+        requests. Beside learned members the neutral default rates a newcomer far slower than they
+        are (it is tuned for a fleet where nothing is known), so the min-max policy would send it only
+        exploration probes and it would learn slowly; starting from a typical member, it takes a
+        share at once and its own requests correct the model within a few refits."""
+        learner = self.learner
+        if learner is None:
+            return None
+        fitted = []
+        for j in self.router.members():
+            fit = learner.fit_of(j) if j != index else None
+            if fit is not None and fit.samples >= SIBLING_MIN_SAMPLES:
+                fitted.append(j)
+        if not fitted:
+            return None
+        params = tuple(float(v) for v in np.median(learner.params[fitted], axis=0))
+        return PriorModel(params, f"median of {len(fitted)} learned member(s)", "fleet"), params
 
     def remove(self, name: str) -> int:
         """Stop routing to member ``name`` at once; its in-flight requests finish. Returns its slot.

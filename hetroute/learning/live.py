@@ -47,8 +47,10 @@ _LIVE_REL_STDERR = 0.5
 class PriorModel:
     """Where a backend's model starts: p1..p8, a description, and its kind.
 
-    ``kind`` is ``profile`` (a measured profile file), ``saved`` (a live fit saved by an earlier run),
-    ``roofline`` (the catalog's roofline prior) or ``neutral`` (nothing known).
+    ``kind`` is ``profile`` (a measured profile file), ``saved`` (a live fit saved by an earlier run, or
+    learned by an identical replica when the backend joined live), ``roofline`` (the catalog's roofline
+    prior), ``fleet`` (joined live knowing nothing: the median of the learned members) or ``neutral``
+    (nothing known).
     """
 
     params: tuple[float, ...]

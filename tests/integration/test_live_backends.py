@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 
-from hetroute.app import MEMBERSHIP, ROUTER
+from hetroute.app import LEARNER, MEMBERSHIP, ROUTER
 from tests.conftest import MODEL, EmulateFn, Gateway, GatewayFn, backend_entry, eventually, metric_sum
 
 SCRAPE_S = 0.5
@@ -103,13 +103,18 @@ async def test_removing_a_backend_with_drain_loses_no_request_and_its_slot_is_re
     router, membership = gw.app[ROUTER], gw.app[MEMBERSHIP]
     async with Load(gw.url, concurrency=8, max_tokens=48) as load:
         assert await eventually(lambda: router.ledger.requests_in_flight[1] >= 2, timeout_s=10)
+        at_leave: list[tuple[int, int]] = []  # (dispatched, in flight) when the removal took effect
+        membership.on_leave.append(
+            lambda i, _: at_leave.append(
+                (int(router.ledger.dispatched_total[i]), int(router.ledger.requests_in_flight[i]))
+            )
+        )
         async with aiohttp.ClientSession() as s:
-            before = int(router.ledger.dispatched_total[1])
-            in_flight_then = int(router.ledger.requests_in_flight[1])
             async with s.delete(gw.url + "/admin/backends/b?drain=true", headers=_auth()) as r:
                 assert r.status == 200, await r.text()
                 removed = await r.json()
             # Drained: nothing was dispatched there after the DELETE, and what was in flight finished.
+            ((before, in_flight_then),) = at_leave
             assert int(router.ledger.dispatched_total[1]) == before
             assert int(router.ledger.released_total[1]) == before
             assert removed == {"name": "b", "slot": 1, "state": "free", "in_flight": 0}
@@ -213,3 +218,36 @@ async def test_with_several_workers_the_admin_api_points_to_sighup(
     async with aiohttp.ClientSession() as s, s.delete(gw.url + "/admin/backends/a", headers=_auth()) as r:
         assert r.status == 409 and "SIGHUP" in (await r.json())["error"]["message"]
     assert gw.app[ROUTER].members() == (0,)
+
+
+async def test_a_joining_backend_starts_from_a_replicas_model_or_the_fleets(
+    emulate: EmulateFn, gateway: GatewayFn
+) -> None:
+    a, b, c = [await emulate(name=n) for n in "abc"]
+    gw = await gateway(
+        [a], policy={"type": "default"}, learning={"refit_interval_s": 0.05}, admin_token="tok"
+    )
+    learner = gw.app[LEARNER]
+    async with aiohttp.ClientSession() as s:
+        for k in range(48):
+            body = {"model": MODEL, "prompt": f"learn {k}", "max_tokens": 8, "stream": True}
+            async with s.post(gw.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                await r.read()
+        assert await eventually(lambda: (f := learner.fit_of(0)) is not None and f.samples >= 32, timeout_s=5)
+        replica = backend_entry(c)  # a's entry but for name and URL
+        unknown = {"name": "b", "url": b.url}  # engine and models asked: its `root` label differs from a's
+        for entry in (replica, unknown):
+            async with s.post(gw.url + "/admin/backends", json=entry, headers=_auth()) as r:
+                assert r.status == 201
+    admin = {x["name"]: x["learned_model"] for x in (await _admin(gw))["backends"]}
+    assert admin["a"]["prior"]["kind"] == "neutral"
+    assert admin["c"]["prior"] == {"kind": "saved", "source": admin["c"]["prior"]["source"]}
+    assert admin["c"]["prior"]["source"].startswith("learned by its sibling a (")
+    # c has no fit of its own yet when b joins: the median is over a alone.
+    assert admin["b"]["prior"] == {"kind": "fleet", "source": "median of 1 learned member(s)"}
+    # Both start from what a had learned (a refit may land between the two joins), not from the
+    # neutral prior a started from.
+    neutral = [p["prior"] for p in admin["a"]["params"].values()]
+    assert [p["prior"] for p in admin["c"]["params"].values()] != neutral
+    assert [p["prior"] for p in admin["b"]["params"].values()] != neutral
