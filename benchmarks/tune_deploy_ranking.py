@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog
-from hetroute.commands.tune_deploy import default_prior, sample_requests
+from hetroute.commands.tune_deploy import sample_requests, tuning_prior
 from hetroute.tuner.cluster import ClusterSpec, load_cluster
 from hetroute.tuner.groundtruth import kendall_tau, measure_machine
 from hetroute.tuner.tune import tune
@@ -38,7 +38,7 @@ def evaluate(label: str, cluster: ClusterSpec, duplicates: int | None = None) ->
     """Tune ``cluster``, measure every feasible (machine kind, TP) and compare the rankings."""
     workload, requests = sample_requests(cluster, None, None, duplicates, None)
     start = time.perf_counter()
-    result = tune(cluster, requests, default_prior(cluster.engine), workload=workload)
+    result = tune(cluster, requests, tuning_prior(cluster.engine), workload=workload)
     tune_s = time.perf_counter() - start
     seen: set[tuple[str, int, str]] = set()
     machines = []

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog
-from hetroute.commands.tune_deploy import default_prior, sample_requests
+from hetroute.commands.tune_deploy import sample_requests, tuning_prior
 from hetroute.tuner.cluster import cluster_from_dict
 from hetroute.tuner.report import render_table, result_to_json
 from hetroute.tuner.tune import tune
@@ -58,7 +58,7 @@ def timed_run(doc: dict[str, Any]) -> dict[str, Any]:
     gpus, models = load_gpu_catalog(), load_model_catalog()
     cluster = cluster_from_dict(doc, gpus, models, source="scale-fleet")
     label, requests = sample_requests(cluster, None, None, None, None)
-    result = tune(cluster, requests, default_prior(cluster.engine), workload=label)
+    result = tune(cluster, requests, tuning_prior(cluster.engine), workload=label)
     table = render_table(result)
     document = result_to_json(result)
     total_s = time.perf_counter() - start

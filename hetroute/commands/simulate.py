@@ -29,7 +29,7 @@ from hetroute.errors import ConfigError
 from hetroute.routing.foreign import DEFAULT_FOREIGN_MODE, FOREIGN_MODES
 
 if TYPE_CHECKING:
-    from hetroute.sim.cluster_file import ClusterSpec, Fleet
+    from hetroute.sim.cluster_file import Fleet, SimClusterSpec
     from hetroute.sim.workload import Rate
     from hetroute.simulation.admission_run import SimAdmission
     from hetroute.simulation.report import MatrixRun
@@ -285,7 +285,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster_and_fleet(args: argparse.Namespace) -> tuple[ClusterSpec, Fleet]:
+def _cluster_and_fleet(args: argparse.Namespace) -> tuple[SimClusterSpec, Fleet]:
     """The cluster named by ``--scenario``/``--cluster`` and its fleet (made blind with ``--blind``)."""
     from hetroute.sim.cluster_file import blind_fleet, build_fleet, load_cluster_file
     from hetroute.sim.scenarios import get_scenario
@@ -369,7 +369,7 @@ def _run_matrix(
 
 def _report(
     args: argparse.Namespace,
-    cluster: ClusterSpec,
+    cluster: SimClusterSpec,
     fleet: Fleet,
     rates: Sequence[Rate],
     runs: list[MatrixRun],

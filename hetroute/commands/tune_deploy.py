@@ -54,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.set_defaults(func=run)
 
 
-def default_prior(engine: EngineSettings) -> PriorFn:
+def tuning_prior(engine: EngineSettings) -> PriorFn:
     """The catalog's roofline prior under the cluster's engine settings, for (GPU, TP) without a profile."""
 
     def prior(gpu: GpuSpec, model: ModelSpec, tp: int) -> LatencyProfile:
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         models = load_model_catalog()
         cluster = load_cluster(args.cluster, gpus, models)
         label, requests = sample_requests(cluster, args.workload, args.requests, args.duplicates, args.seed)
-        prior = default_prior(cluster.engine)
+        prior = tuning_prior(cluster.engine)
         progress = None if args.quiet else _ProgressLine(sys.stderr)
         result = tune(cluster, requests, prior, workload=label, estimator=args.estimator, progress=progress)
     except (ConfigError, ProfileError, SearchTooLarge) as exc:

@@ -16,7 +16,7 @@ Format (YAML; documented in docs/simulate.md, example in config/simulate/)::
         profile: ../profiles/x.yaml   # optional latency profile, relative to this file
         engine_args: {max_num_seqs: 256, max_num_batched_tokens: 8192, ...}
 
-Invariants: a parsed :class:`ClusterSpec` is frozen and fully validated (through :mod:`hetroute.fields`);
+Invariants: a parsed :class:`SimClusterSpec` is frozen and fully validated (through :mod:`hetroute.fields`);
 every error is a ``ConfigError`` whose path names the field (``instances[1].tp``); instance names are
 unique after expansion of ``count``. GPU/model names are checked against the catalogs when they are passed in.
 
@@ -99,7 +99,7 @@ class InstanceSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class ClusterSpec:
+class SimClusterSpec:
     """A cluster to simulate: instances in backend order (index i = backend i)."""
 
     name: str
@@ -173,8 +173,8 @@ def parse_cluster(
     base_dir: Path | None = None,
     known_gpus: Collection[str] | None = None,
     known_models: Collection[str] | None = None,
-) -> ClusterSpec:
-    """Validate decoded YAML into a :class:`ClusterSpec` (ConfigError naming the field)."""
+) -> SimClusterSpec:
+    """Validate decoded YAML into a :class:`SimClusterSpec` (ConfigError naming the field)."""
     root = as_mapping(data, "<root>", none_ok=False)
     check_keys(root, _ROOT_KEYS, "")
     defaults = as_mapping(root.get("defaults"), "defaults")
@@ -195,7 +195,7 @@ def parse_cluster(
     description = root.get("description", "")
     if not isinstance(description, str):
         raise ConfigError("description", f"expected a string, got {description!r}")
-    return ClusterSpec(string(root, "name", "", default_name), tuple(instances), description)
+    return SimClusterSpec(string(root, "name", "", default_name), tuple(instances), description)
 
 
 def load_cluster_file(
@@ -203,7 +203,7 @@ def load_cluster_file(
     *,
     known_gpus: Collection[str] | None = None,
     known_models: Collection[str] | None = None,
-) -> ClusterSpec:
+) -> SimClusterSpec:
     """Read and validate a cluster file; errors are prefixed with the file name."""
     p = Path(path)
     with file_errors(str(p)):
@@ -220,7 +220,7 @@ def load_cluster_file(
 class Fleet:
     """A cluster resolved against the catalogs: per instance an engine config and a backend spec."""
 
-    cluster: ClusterSpec
+    cluster: SimClusterSpec
     configs: tuple[EngineConfig, ...]
     backends: tuple[BackendSpec, ...]
     flavours: tuple[EngineFlavour, ...]
@@ -242,7 +242,7 @@ class Fleet:
 
 
 def build_fleet(
-    cluster: ClusterSpec,
+    cluster: SimClusterSpec,
     gpus: Mapping[str, GpuSpec] | None = None,
     models: Mapping[str, ModelSpec] | None = None,
 ) -> Fleet:

@@ -25,7 +25,7 @@ from aiohttp import web
 from hetroute.clock import MonotonicClock
 from hetroute.sim.emulator_core import Emulator
 from hetroute.sim.emulator_faults import FaultConfig, drop_connection
-from hetroute.sim.emulator_protocol import ApiError, EngineKind
+from hetroute.sim.emulator_protocol import EngineApiError, EngineKind
 from hetroute.sim.engine_model import EngineModel
 from hetroute.types import Clock
 
@@ -42,7 +42,9 @@ async def _fault_middleware(request: web.Request, handler: _Handler) -> web.Stre
         return drop_connection(request)
     if emu.faults.slow_start_s and emu.clock.now() - emu.started_s < emu.faults.slow_start_s:
         return emu.error(
-            ApiError(503, "Server is starting (injected slow start)", "ServiceUnavailableError", "unhealthy")
+            EngineApiError(
+                503, "Server is starting (injected slow start)", "ServiceUnavailableError", "unhealthy"
+            )
         )
     return await handler(request)
 

@@ -30,7 +30,7 @@ from hetroute.sim.emulator_faults import FaultConfig, drop_connection
 from hetroute.sim.emulator_meta import models_body, tgi_info_body, tokenize_body
 from hetroute.sim.emulator_metrics import EmulatorMetrics
 from hetroute.sim.emulator_protocol import (
-    ApiError,
+    EngineApiError,
     EngineKind,
     GenRequest,
     decode_json,
@@ -153,16 +153,16 @@ class Emulator:
             live.changed.set()
 
     def admit(self, req: GenRequest, prefix: str) -> Live:
-        """Submit ``req`` to the engine (ApiError for faults, limits and over-long prompts)."""
+        """Submit ``req`` to the engine (EngineApiError for faults, limits and over-long prompts)."""
         if self.kind == "tgi" and len(self.lives) >= self.max_concurrent_requests:
-            raise ApiError(429, "Model is overloaded", "RateLimitError", "overloaded")
+            raise EngineApiError(429, "Model is overloaded", "RateLimitError", "overloaded")
         if self.faults.error_rate and self.rng.random() < self.faults.error_rate:
             self.metrics.requests_failed += 1
             if self.rng.random() < 0.5:
-                raise ApiError(
+                raise EngineApiError(
                     500, "Internal server error (injected fault)", "InternalServerError", "generation"
                 )
-            raise ApiError(
+            raise EngineApiError(
                 503, "Service unavailable (injected fault)", "ServiceUnavailableError", "overloaded"
             )
         engine = self.engine
@@ -187,16 +187,16 @@ class Emulator:
         self.wake.set()
         return live
 
-    def _too_long(self, req: GenRequest, cap: int) -> ApiError:
+    def _too_long(self, req: GenRequest, cap: int) -> EngineApiError:
         limit = self.engine.max_model_len
         if self.kind == "tgi":
-            return ApiError(
+            return EngineApiError(
                 422,
                 f"Input validation error: `inputs` tokens + `max_new_tokens` must be <= {limit}. "
                 f"Given: {req.prompt_tokens} `inputs` tokens and {cap} `max_new_tokens`",
                 "BadRequestError",
             )
-        return ApiError(400, str(PromptTooLong(req.prompt_tokens, cap, limit)), "BadRequestError")
+        return EngineApiError(400, str(PromptTooLong(req.prompt_tokens, cap, limit)), "BadRequestError")
 
     def release(self, live: Live) -> None:
         """Abort an unfinished request in the engine (frees its KV blocks) and count it as aborted."""
@@ -208,7 +208,7 @@ class Emulator:
 
     # -------------------------------------------------------------- handlers
 
-    def error(self, exc: ApiError) -> web.Response:
+    def error(self, exc: EngineApiError) -> web.Response:
         return web.json_response(exc.body(self.kind), status=exc.status)
 
     async def generate(self, request: web.Request, req: GenRequest, prefix: str) -> web.StreamResponse:
@@ -219,7 +219,7 @@ class Emulator:
             return drop_connection(request)
         try:
             live = self.admit(req, prefix)
-        except ApiError as exc:
+        except EngineApiError as exc:
             return self.error(exc)
         try:
             return await respond(self, request, req, live)
@@ -230,7 +230,7 @@ class Emulator:
         try:
             body = decode_json(await request.read())
             req = parse_openai(body, "chat" if api == "chat" else "completions", self.served_model, self.kind)
-        except ApiError as exc:
+        except EngineApiError as exc:
             return self.error(exc)
         return await self.generate(request, req, "chatcmpl" if api == "chat" else "cmpl")
 
@@ -240,7 +240,7 @@ class Emulator:
             req = parse_tgi(body, bool(body.get("stream", False)) if stream is None else stream)
             if stream is None:
                 req = dataclasses.replace(req, as_list=True)
-        except ApiError as exc:
+        except EngineApiError as exc:
             exc.status = 422 if exc.status == 400 else exc.status
             return self.error(exc)
         return await self.generate(request, req, "tgi")
@@ -248,7 +248,7 @@ class Emulator:
     async def tokenize(self, request: web.Request) -> web.Response:
         try:
             answer = tokenize_body(self.kind, decode_json(await request.read()), self.engine.max_model_len)
-        except ApiError as exc:
+        except EngineApiError as exc:
             return self.error(exc)
         return web.json_response(answer)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hetroute.sim.emulator_protocol import ApiError, EngineKind
+from hetroute.sim.emulator_protocol import EngineApiError, EngineKind
 from hetroute.sim.emulator_text import CHARS_PER_TOKEN, chat_token_ids, token_ids
 from hetroute.sim.engine_model import EngineModel
 
@@ -18,7 +18,7 @@ TGI_VERSION = "2.4.0"
 
 
 def tokenize_body(kind: EngineKind, body: Mapping[str, Any], max_model_len: int) -> Any:
-    """The ``/tokenize`` answer (ApiError 400 when neither prompt nor messages is given)."""
+    """The ``/tokenize`` answer (EngineApiError 400 when neither prompt nor messages is given)."""
     if kind == "tgi":
         text = str(body.get("inputs", ""))
         step = CHARS_PER_TOKEN
@@ -37,7 +37,7 @@ def tokenize_body(kind: EngineKind, body: Mapping[str, Any], max_model_len: int)
     elif isinstance(body.get("prompt"), str):
         tokens = token_ids(body["prompt"])
     else:
-        raise ApiError(400, "prompt or messages is required", "BadRequestError")
+        raise EngineApiError(400, "prompt or messages is required", "BadRequestError")
     return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
 
 

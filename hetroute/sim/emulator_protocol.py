@@ -26,7 +26,7 @@ OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default
 TGI_DEFAULT_MAX_NEW_TOKENS = 100
 
 
-class ApiError(Exception):
+class EngineApiError(Exception):
     """An error answered to the client: HTTP status, message, OpenAI type and TGI error_type."""
 
     def __init__(self, status: int, message: str, openai_type: str, tgi_type: str = "validation") -> None:
@@ -44,8 +44,8 @@ class ApiError(Exception):
         }
 
 
-def bad_request(message: str) -> ApiError:
-    return ApiError(400, message, "BadRequestError")
+def bad_request(message: str) -> EngineApiError:
+    return EngineApiError(400, message, "BadRequestError")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,10 +113,10 @@ def _prompt(prompt: Any) -> str | tuple[int, ...]:
 
 
 def parse_openai(body: Mapping[str, Any], api: ApiKind, served_model: str, engine: EngineKind) -> GenRequest:
-    """Validate an OpenAI completions/chat body (ApiError 400/404 like vLLM)."""
+    """Validate an OpenAI completions/chat body (EngineApiError 400/404 like vLLM)."""
     model = body.get("model")
     if engine == "vllm" and model is not None and model != served_model:
-        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError")
+        raise EngineApiError(404, f"The model `{model}` does not exist.", "NotFoundError")
     messages: tuple[Mapping[str, Any], ...] = ()
     prompt: str | tuple[int, ...] = ""
     if api == "chat":
@@ -158,18 +158,18 @@ def parse_openai(body: Mapping[str, Any], api: ApiKind, served_model: str, engin
 
 
 def parse_tgi(body: Mapping[str, Any], stream: bool) -> GenRequest:
-    """Validate a TGI ``/generate`` body (ApiError 422 ``validation`` like TGI)."""
+    """Validate a TGI ``/generate`` body (EngineApiError 422 ``validation`` like TGI)."""
     inputs = body.get("inputs")
     if not isinstance(inputs, str) or not inputs:
-        raise ApiError(422, "Input validation error: `inputs` cannot be empty", "BadRequestError")
+        raise EngineApiError(422, "Input validation error: `inputs` cannot be empty", "BadRequestError")
     params = body.get("parameters") or {}
     if not isinstance(params, Mapping):
-        raise ApiError(422, "Input validation error: `parameters` must be an object", "BadRequestError")
+        raise EngineApiError(422, "Input validation error: `parameters` must be an object", "BadRequestError")
     max_new = params.get("max_new_tokens", TGI_DEFAULT_MAX_NEW_TOKENS)
     if max_new is None:
         max_new = TGI_DEFAULT_MAX_NEW_TOKENS
     if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
-        raise ApiError(
+        raise EngineApiError(
             422, "Input validation error: `max_new_tokens` must be strictly positive", "BadRequestError"
         )
     return GenRequest(

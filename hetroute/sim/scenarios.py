@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from hetroute.errors import ConfigError
-from hetroute.sim.cluster_file import ClusterSpec, parse_cluster
+from hetroute.sim.cluster_file import SimClusterSpec, parse_cluster
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +33,7 @@ class Scenario:
 
     def cluster(
         self, *, known_gpus: Collection[str] | None = None, known_models: Collection[str] | None = None
-    ) -> ClusterSpec:
+    ) -> SimClusterSpec:
         return parse_cluster(
             {"name": self.name, "description": self.description, **self.data},
             known_gpus=known_gpus,

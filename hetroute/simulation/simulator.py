@@ -33,7 +33,7 @@ from hetroute.prefix.state import PrefixState
 from hetroute.routing.foreign import DEFAULT_FOREIGN_MODE, ForeignMode
 from hetroute.routing.ledger import Ledger
 from hetroute.routing.router import Router
-from hetroute.sim.cluster_file import ClusterSpec, Fleet, build_fleet
+from hetroute.sim.cluster_file import Fleet, SimClusterSpec, build_fleet
 from hetroute.sim.workload import SimRequest
 from hetroute.simulation.admission_run import AdmittedRun, SimAdmission
 from hetroute.simulation.run import Run, Slowdown
@@ -105,7 +105,7 @@ class SimResult:
 
 
 def run_simulation(
-    cluster: ClusterSpec | Fleet,
+    cluster: SimClusterSpec | Fleet,
     workload: Sequence[SimRequest],
     policy_name: str | Policy,
     policy_params: Mapping[str, object] | None = None,
@@ -124,7 +124,7 @@ def run_simulation(
 ) -> SimResult:
     """Simulate ``workload`` (sorted by arrival) on ``cluster`` routed by ``policy_name``.
 
-    ``cluster`` may be a :class:`ClusterSpec` (catalogs are loaded) or a prepared :class:`Fleet`
+    ``cluster`` may be a :class:`SimClusterSpec` (catalogs are loaded) or a prepared :class:`Fleet`
     (``build_fleet``; reuse it across runs to skip catalog and profile loading). ``learning`` turns on the
     gateway's live latency learning (same code; the refit runs every ``refit_interval_s`` of modelled
     time) and ``slowdowns`` injects slow-down faults. ``policy_name`` is a

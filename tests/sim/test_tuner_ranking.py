@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog
-from hetroute.commands.tune_deploy import default_prior, sample_requests
+from hetroute.commands.tune_deploy import sample_requests, tuning_prior
 from hetroute.tuner.cluster import ClusterSpec, load_cluster
 from hetroute.tuner.groundtruth import kendall_tau, measure_machine
 from hetroute.tuner.tune import tune
@@ -27,7 +27,7 @@ MODELS = load_model_catalog()
 
 def _check(cluster: ClusterSpec, machine_names: set[str], algorithm1_exact: bool) -> None:
     label, requests = sample_requests(cluster, None, None, None, None)
-    result = tune(cluster, requests, default_prior(cluster.engine), workload=label)
+    result = tune(cluster, requests, tuning_prior(cluster.engine), workload=label)
     checked = set()
     for plan in result.plans:
         if plan.machine.name not in machine_names:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from hetroute.catalog.specs import GpuSpec, ModelSpec, load_gpu_catalog, load_model_catalog
-from hetroute.sim.cluster_file import ClusterSpec, InstanceSpec
+from hetroute.sim.cluster_file import InstanceSpec, SimClusterSpec
 from hetroute.sim.workload import SimRequest, generate_workload
 from hetroute.simulation.simulator import run_simulation
 from hetroute.tuner.cluster import EngineSettings
@@ -31,7 +31,7 @@ def measure_machine_routed(
         "overhead_gib_per_gpu": engine.overhead_gib_per_gpu,
         "max_model_len": engine.model_len(model),
     }
-    cluster = ClusterSpec(
+    cluster = SimClusterSpec(
         name=f"{gpu.name}-tp{tp}",
         instances=tuple(
             InstanceSpec(name=f"i{k}", gpu=gpu.name, tp=tp, model=model.name, engine_args=args)

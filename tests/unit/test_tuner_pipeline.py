@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog
-from hetroute.commands.tune_deploy import default_prior
+from hetroute.commands.tune_deploy import tuning_prior
 from hetroute.config import load_config
 from hetroute.latency import save_profile
 from hetroute.sim.workload import generate_workload
@@ -56,7 +56,7 @@ def _fleet() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def fleet_result() -> TuneResult:
     cluster = _cluster(_fleet())
-    return tune(cluster, REQUESTS, default_prior(cluster.engine))
+    return tune(cluster, REQUESTS, tuning_prior(cluster.engine))
 
 
 def test_candidates_are_the_divisors() -> None:
@@ -102,7 +102,7 @@ def test_a_model_that_fits_nowhere_is_a_clear_error() -> None:
     doc = {"model": "Llama-2-70B", "machines": [{"name": "x", "gpu": "L4", "gpus": 2}]}
     cluster = _cluster(doc)
     with pytest.raises(ModelFitsNowhere) as info:
-        tune(cluster, REQUESTS, default_prior(cluster.engine))
+        tune(cluster, REQUESTS, tuning_prior(cluster.engine))
     text = str(info.value)
     assert text.startswith("models.Llama-2-70B: fits on no machine")
     assert "2x L4: TP1: weights need" in text
@@ -112,7 +112,7 @@ def test_a_measured_profile_replaces_the_prior(tmp_path: Path) -> None:
     engine = _cluster(
         {"model": "Llama-3-8B", "machines": [{"name": "v", "gpu": "V100-SXM2-32GB", "gpus": 2}]}
     ).engine
-    prior = default_prior(engine)(GPUS["V100-SXM2-32GB"], MODELS["Llama-3-8B"], 1)
+    prior = tuning_prior(engine)(GPUS["V100-SXM2-32GB"], MODELS["Llama-3-8B"], 1)
     measured = replace(
         prior,
         source="profiled",
@@ -128,7 +128,7 @@ def test_a_measured_profile_replaces_the_prior(tmp_path: Path) -> None:
         "profiles": [{"gpu": "V100-SXM2-32GB", "tp": 1, "path": "v100-tp1.yaml"}],
     }
     cluster = _cluster(doc, tmp_path)
-    result = tune(cluster, REQUESTS, default_prior(cluster.engine))
+    result = tune(cluster, REQUESTS, tuning_prior(cluster.engine))
     by_tp = {e.tp: e for e in result.plans[0].options}
     assert by_tp[1].profile_source == "profiled"
     assert by_tp[1].profile_path == str(tmp_path / "v100-tp1.yaml")
@@ -143,7 +143,7 @@ def test_a_measured_capacity_far_from_the_computed_one_is_flagged(tmp_path: Path
     engine = _cluster(
         {"model": "Llama-3-8B", "machines": [{"name": "v", "gpu": "A100-80GB", "gpus": 1}]}
     ).engine
-    prior = default_prior(engine)(GPUS["A100-80GB"], MODELS["Llama-3-8B"], 1)
+    prior = tuning_prior(engine)(GPUS["A100-80GB"], MODELS["Llama-3-8B"], 1)
     save_profile(replace(prior, source="profiled", kv_capacity_tokens=100_000), tmp_path / "a.yaml")
     doc = {
         "model": "Llama-3-8B",
@@ -151,7 +151,7 @@ def test_a_measured_capacity_far_from_the_computed_one_is_flagged(tmp_path: Path
         "profiles": [{"gpu": "A100-80GB", "tp": 1, "path": "a.yaml"}],
     }
     cluster = _cluster(doc, tmp_path)
-    (option,) = tune(cluster, REQUESTS, default_prior(cluster.engine)).plans[0].options
+    (option,) = tune(cluster, REQUESTS, tuning_prior(cluster.engine)).plans[0].options
     assert option.kv_capacity_tokens == 100_000
     assert any("differs from the computed" in w for w in option.warnings)
 
@@ -160,7 +160,7 @@ def test_constraints_switch_to_the_joint_search() -> None:
     doc = _fleet()
     doc["constraints"] = {"min_instances": 12}
     cluster = _cluster(doc)
-    result = tune(cluster, REQUESTS, default_prior(cluster.engine))
+    result = tune(cluster, REQUESTS, tuning_prior(cluster.engine))
     assert result.search.joint
     assert result.search.total_instances >= 12
     assert result.search.infeasible_reason is None
@@ -205,7 +205,7 @@ def test_emitted_router_config_loads_with_the_gateway_loader(
     fleet_result: TuneResult, tmp_path: Path
 ) -> None:
     target = write_router_config(
-        fleet_result, tmp_path / "router.yaml", default_prior(fleet_result.cluster.engine)
+        fleet_result, tmp_path / "router.yaml", tuning_prior(fleet_result.cluster.engine)
     )
     config = load_config(target, env={})
     chosen = [(p.machine, p.chosen) for p in fleet_result.plans if p.chosen is not None]
