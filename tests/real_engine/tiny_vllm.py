@@ -50,7 +50,8 @@ def engine_cores() -> str:
 
     Left to its default (all cores) on a 2-core machine, the engine's threads shared both cores with
     the gateway in the same test, and the live-learning error of a fresh server ranged 10-17 % over
-    six runs (one CI run failed the 15 % bar at 15.3 %); pinned to one core, 8.7-11.7 % over six.
+    several runs (one CI run failed the 15 % bar at 15.3 %); pinned to one core, 8.7-11.7 % over
+    several (those runs are not committed).
     A GPU host gives its engine dedicated compute in the same way.
     """
     cores = os.cpu_count() or 1
