@@ -4,15 +4,7 @@ Parses the command line, resolves the cluster (built-in scenario or cluster file
 workload per rate (same lengths at every rate for one seed), runs every policy on it with
 :func:`hetroute.simulation.simulator.run_simulation`, prints a table and writes JSON/PNG on request.
 
-Policy syntax (``--policies`` is comma-separated; ``--policy`` takes one spec and may repeat)::
-
-    NAME[:KEY=VALUE[:KEY=VALUE...]]        e.g.  weighted_round_robin:weights=4:1
-                                                 workload_minmax:theta=1:kv_signal=engine
-
-A ``:``-segment without ``=`` continues the previous value, so ``weights=4:1`` is the list [4, 1]
-(in backend order). Values are numbers, ``true``/``false``, lists of numbers (``4:1`` or, in
-``--policy``, ``4,1``) or strings. ``default`` is the router's default policy. ``--theta`` sets
-``theta`` on every listed policy that has that parameter and was not given one.
+Policy syntax: :mod:`hetroute.commands.policy_specs`.
 """
 
 from __future__ import annotations
@@ -20,11 +12,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hetroute.commands.policy_specs import PolicySpec, parse_policy_list, parse_policy_spec
 from hetroute.errors import ConfigError
 from hetroute.routing.foreign import DEFAULT_FOREIGN_MODE, FOREIGN_MODES
 
@@ -33,63 +25,6 @@ if TYPE_CHECKING:
     from hetroute.sim.workload import Rate
     from hetroute.simulation.admission_run import SimAdmission
     from hetroute.simulation.report import MatrixRun
-
-
-@dataclass(frozen=True, slots=True)
-class PolicySpec:
-    """One policy of the matrix: its label (the spec as written), registry name and params."""
-
-    label: str
-    name: str
-    params: Mapping[str, object]
-
-
-def _scalar(text: str) -> object:
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def _value(text: str) -> object:
-    for sep in (":", ","):
-        parts = text.split(sep)
-        if len(parts) > 1:
-            values = [_scalar(p) for p in parts]
-            if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
-                return values
-    return _scalar(text)
-
-
-def parse_policy_spec(text: str) -> PolicySpec:
-    """``NAME[:KEY=VALUE...]`` → :class:`PolicySpec` (ConfigError naming ``policies`` when malformed)."""
-    spec = text.strip()
-    name, _, rest = spec.partition(":")
-    if not name:
-        raise ConfigError("policies", f"empty policy name in {text!r}")
-    params: dict[str, str] = {}
-    last: str | None = None
-    for segment in rest.split(":") if rest else []:
-        if "=" in segment:
-            key, _, value = segment.partition("=")
-            if not key:
-                raise ConfigError("policies", f"empty parameter name in {text!r}")
-            params[key] = value
-            last = key
-        elif last is not None:
-            params[last] += ":" + segment
-        else:
-            raise ConfigError("policies", f"expected KEY=VALUE after {name!r} in {text!r}")
-    return PolicySpec(label=spec, name=name, params={k: _value(v) for k, v in params.items()})
-
-
-def parse_policy_list(text: str) -> list[PolicySpec]:
-    return [parse_policy_spec(part) for part in text.split(",") if part.strip()]
 
 
 def add_parser(subparsers: Any) -> None:
@@ -137,6 +72,14 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--send-max-tokens", action="store_true", help="requests carry max_tokens = their true length"
     )
+    _add_router_args(p)
+    p.add_argument("--json", type=Path, help="write the results as JSON")
+    p.add_argument("--plot", type=Path, help="write a PNG plot of throughput and TTFT p99 against rate")
+    p.set_defaults(func=run)
+
+
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    """The options that set up the simulated router (scrapes, learning, admission, replicas)."""
     p.add_argument(
         "--scrape-interval",
         type=float,
@@ -180,9 +123,6 @@ def add_parser(subparsers: Any) -> None:
         help="how each replica counts the requests the engines hold that it did not send "
         f"(scrape.foreign_load; default {DEFAULT_FOREIGN_MODE})",
     )
-    p.add_argument("--json", type=Path, help="write the results as JSON")
-    p.add_argument("--plot", type=Path, help="write a PNG plot of throughput and TTFT p99 against rate")
-    p.set_defaults(func=run)
 
 
 def _with_theta(

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hetroute.commands import policy_specs
 from hetroute.commands import simulate as simulate_cmd
 from hetroute.errors import ConfigError
 from hetroute.sim.cluster_file import Fleet, build_fleet, parse_cluster
@@ -211,21 +212,21 @@ def test_bad_workloads_are_config_errors(paper_a: Fleet) -> None:
 
 
 def test_policy_spec_syntax() -> None:
-    spec = simulate_cmd.parse_policy_spec("weighted_round_robin:weights=4:1")
+    spec = policy_specs.parse_policy_spec("weighted_round_robin:weights=4:1")
     assert (spec.label, spec.name, dict(spec.params)) == (
         "weighted_round_robin:weights=4:1",
         "weighted_round_robin",
         {"weights": [4, 1]},
     )
-    spec = simulate_cmd.parse_policy_spec("x:theta=0.5:kv_signal=engine:on=true:w=2,3")
+    spec = policy_specs.parse_policy_spec("x:theta=0.5:kv_signal=engine:on=true:w=2,3")
     assert dict(spec.params) == {"theta": 0.5, "kv_signal": "engine", "on": True, "w": [2, 3]}
-    assert [s.name for s in simulate_cmd.parse_policy_list("round_robin, default,")] == [
+    assert [s.name for s in policy_specs.parse_policy_list("round_robin, default,")] == [
         "round_robin",
         "default",
     ]
     for bad in (":a=1", "x:=1", "x:oops"):
         with pytest.raises(ConfigError):
-            simulate_cmd.parse_policy_spec(bad)
+            policy_specs.parse_policy_spec(bad)
 
 
 def _cli(argv: list[str]) -> int:
