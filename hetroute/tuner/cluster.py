@@ -166,7 +166,7 @@ def _engine(r: FieldReader, value: Any) -> EngineSettings:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise r.fail(f"engine.tp_degrees[{i}]", f"expected a positive integer, got {v!r}")
         tps = tuple(raw)
-    return EngineSettings(
+    settings = EngineSettings(
         gpu_memory_utilization=r.number(item, "gpu_memory_utilization", "engine", hi=1.0, default=0.9),
         overhead_gib_per_gpu=r.number(item, "overhead_gib_per_gpu", "engine", lo_open=False, default=2.0),
         max_num_seqs=r.integer(item, "max_num_seqs", "engine", default=256),
@@ -174,6 +174,12 @@ def _engine(r: FieldReader, value: Any) -> EngineSettings:
         max_model_len=r.opt_integer(item, "max_model_len", "engine"),
         tp_degrees=tps,
     )
+    if settings.batched_tokens() < settings.max_num_seqs:  # vLLM refuses to start so
+        raise r.fail(
+            "engine.max_num_batched_tokens",
+            f"{settings.batched_tokens()} must be >= max_num_seqs ({settings.max_num_seqs})",
+        )
+    return settings
 
 
 def _machines(
