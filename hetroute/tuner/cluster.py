@@ -305,6 +305,11 @@ def cluster_from_dict(
         check_keys(root, _TOP_KEYS, "<root>")
         model_specs = parse_models(root, models)
         engine = read_dataclass(EngineSettings, root.get("engine"), "engine")
+        if engine.batched_tokens() < engine.max_num_seqs:  # vLLM refuses to start so
+            raise ConfigError(
+                "engine.max_num_batched_tokens",
+                f"{engine.batched_tokens()} must be >= max_num_seqs ({engine.max_num_seqs})",
+            )
         machines = _machines(root.get("machines"), gpus, model_specs)
         _check_models(engine, model_specs)
         constraints = _constraints(root.get("constraints"))

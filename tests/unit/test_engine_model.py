@@ -126,6 +126,21 @@ def test_recompute_costs_a_reprefill() -> None:
     assert len(resumed) >= 2
 
 
+def test_a_step_that_preempts_admits_nothing() -> None:
+    # 6 blocks of 16 tokens; a small budget makes the victim's next chunk small enough to fit at once
+    engine = EngineModel(
+        config(num_gpu_blocks_override=6, max_model_len=96, max_num_seqs=2, max_num_batched_tokens=8)
+    )
+    engine.submit("a", 8, 60, 0.0)
+    engine.submit("b", 8, 60, 0.0)
+    trace = drive(engine)
+    at = next(i for i, out in enumerate(trace.outcomes) if out.preempted)
+    assert trace.outcomes[at].preempted == ("b",)
+    assert trace.outcomes[at].scheduled_tokens == 1  # a's decode only, though b's 7-token chunk would fit
+    assert trace.outcomes[at + 1].scheduled_tokens == 8  # the next step resumes b: 1 + 7 tokens
+    assert trace.tokens == {"a": 60, "b": 60}
+
+
 def test_abort_frees_blocks_and_reports_unknown() -> None:
     engine = EngineModel(config(max_num_seqs=1))
     engine.submit("a", 500, 100, 0.0)
@@ -207,6 +222,10 @@ def test_config_errors_name_the_field() -> None:
         config(engine="sglang")
     with pytest.raises(ConfigError, match=r"max_model_len: The model's max seq len \(8192\) is larger"):
         EngineModel(config(num_gpu_blocks_override=10))
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens: 128 must be greater than or equal"):
+        EngineModel(config(max_num_seqs=256, max_num_batched_tokens=128))  # vLLM refuses it too
+    EngineModel(config(max_num_seqs=256, max_num_batched_tokens=128, enable_chunked_prefill=False))
+    EngineModel(config(engine="tgi", max_num_seqs=256, max_num_batched_tokens=128))
 
 
 def test_tgi_reserves_max_new_tokens_and_never_preempts() -> None:

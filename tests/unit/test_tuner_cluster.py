@@ -98,6 +98,11 @@ def test_inline_model() -> None:
             "<= 1",
         ),
         (lambda d: d.update(engine={"max_num_seqs": -4}), "c.yaml: engine.max_num_seqs", "must be >= 1"),
+        (
+            lambda d: d.update(engine={"max_num_seqs": 512, "max_num_batched_tokens": 256}),
+            "c.yaml: engine.max_num_batched_tokens",
+            "256 must be >= max_num_seqs (512)",
+        ),
         (lambda d: d.update(engine={"max_model_len": 100_000}), "c.yaml: engine.max_model_len", "exceeds"),
         (
             lambda d: d.update(engine={"tp_degrees": [1, 3]}),

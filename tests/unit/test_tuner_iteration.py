@@ -104,6 +104,18 @@ def test_kv_pressure_preempts_and_still_finishes_everything() -> None:
     assert tight.mean_batch < roomy.mean_batch
 
 
+def test_a_preempted_decoder_resumes_with_its_generated_tokens() -> None:
+    # KV for 11 tokens. t=1.0: one prefill step computes a (1 token) and b (5), each emits its 1st token.
+    # Two decode steps (1.2): a holds 3, b 7 = 10 tokens; the next needs 2, one is free, so b (newest) is
+    # preempted by recompute while a decodes its 4th and last token (1.3). b resumes by prefilling its
+    # prompt and its 3 generated tokens (8), which yields its 4th and last token: 2.3. (The tuner's own copy
+    # of the scheduler lost b's decoded tokens here: it re-prefilled 5 + 1 and decoded two tokens again.)
+    run = simulate_instance(FLAT, [(1, 4), (5, 4)], 11, max_num_seqs=4, max_num_batched_tokens=20)
+    assert run.preemptions == 1
+    assert run.makespan_s == pytest.approx(2.3)
+    assert run.steps == 5
+
+
 def test_arrivals_give_latencies_and_idle_gaps() -> None:
     run = simulate_instance(FLAT, [(10, 3), (10, 3)], 100, 8, 64, arrivals_s=[0.0, 10.0])
     assert run.makespan_s == pytest.approx(10.0 + 1.2)
@@ -114,6 +126,8 @@ def test_arrivals_give_latencies_and_idle_gaps() -> None:
 def test_requests_that_cannot_fit_are_rejected() -> None:
     with pytest.raises(ValueError, match="request 0"):
         simulate_instance(FLAT, [(90, 20)], 100, 8, 64)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) must be greater than or equal"):
+        simulate_instance(FLAT, [(10, 2)], 100, 128, 64)
 
 
 def test_machine_makespan_is_the_slowest_round_robin_share() -> None:
