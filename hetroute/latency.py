@@ -41,7 +41,10 @@ from hetroute.fields import (
 
 SCHEMA_VERSION = 1
 PARAM_NAMES = ("p1", "p2", "p3", "p4", "p5", "p6", "p7", "p8")
-PROFILE_SOURCES = ("profiled", "roofline-prior", "live")
+PROFILE_SOURCES = ("profiled", "emulated", "roofline-prior", "live")
+EMULATOR_MARK = "hetroute_emulated"
+"""Key that ``hetroute emulate`` adds (true) to its ``GET /version`` (vLLM flavour) and ``GET /info`` (TGI):
+``hetroute profile`` then labels the profile ``source: emulated``. Real engines have no such key."""
 _ROOT_KEYS = (
     "schema_version",
     "source",
@@ -123,7 +126,8 @@ class EngineLimits:
 class LatencyProfile:
     """One fitted (or prior) latency model, shared by identical instances.
 
-    ``source`` is ``"profiled"`` for a fit against a live engine, ``"roofline-prior"``
+    ``source`` is ``"profiled"`` for a fit against a live engine, ``"emulated"`` for the same fit
+    against ``hetroute emulate`` (a model of a GPU, not a GPU), ``"roofline-prior"``
     for parameters derived from the GPU/model catalogs without measurement, or ``"live"`` for a
     model the router learned from served traffic.
     ``kv_capacity_source`` says where the capacity came from (``"vllm:cache_config_info"``,

@@ -110,5 +110,5 @@ def build_profile(
         ),
         labels=all_labels,
         sweep=dict(sweep),
-        source="profiled",
+        source="emulated" if info.emulated else "profiled",
     )

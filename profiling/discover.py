@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 
+from hetroute.latency import EMULATOR_MARK
 from hetroute.types import EngineKind
 
 _LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -43,6 +44,8 @@ class EngineInfo:
     max_num_batched_tokens: int | None = None
     engine_version: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    emulated: bool = False
+    """The server says it is ``hetroute emulate`` (:data:`hetroute.latency.EMULATOR_MARK`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +131,7 @@ async def discover(
     max_seqs = ov.max_num_seqs
     max_batched = ov.max_num_batched_tokens
     version: str | None = None
+    emulated = False
     kv: int | None = None
     kv_source = ""
 
@@ -136,6 +140,7 @@ async def discover(
         if isinstance(info, Mapping):
             model = model or str(info.get("model_id") or "") or None
             version = str(info["version"]) if info.get("version") else None
+            emulated = info.get(EMULATOR_MARK) is True
             max_len = max_len or _pos_int(info.get("max_total_tokens"))
             max_seqs = max_seqs or _pos_int(info.get("max_batch_size"))
             max_batched = max_batched or _pos_int(info.get("max_batch_prefill_tokens"))
@@ -156,6 +161,7 @@ async def discover(
         ver = await _get_json(session, f"{base}/version")
         if isinstance(ver, Mapping) and ver.get("version"):
             version = str(ver["version"])
+        emulated = isinstance(ver, Mapping) and ver.get(EMULATOR_MARK) is True
         metrics = await _get_text(session, f"{base}/metrics")
         found = parse_cache_config_info(metrics) if metrics else None
         if found is not None:
@@ -189,5 +195,6 @@ async def discover(
         max_num_seqs=max_seqs,
         max_num_batched_tokens=max_batched,
         engine_version=version,
+        emulated=emulated,
         notes=tuple(notes),
     )

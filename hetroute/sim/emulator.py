@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager, suppress
 from aiohttp import web
 
 from hetroute.clock import MonotonicClock
+from hetroute.latency import EMULATOR_MARK
 from hetroute.sim.emulator_core import Emulator
 from hetroute.sim.emulator_faults import FaultConfig, drop_connection
 from hetroute.sim.emulator_protocol import EngineApiError, EngineKind
@@ -90,7 +91,7 @@ def build_emulator_app(
         return web.Response(status=200)
 
     async def version(request: web.Request) -> web.Response:
-        return web.json_response({"version": VLLM_VERSION})
+        return web.json_response({"version": VLLM_VERSION, EMULATOR_MARK: True})
 
     async def load(request: web.Request) -> web.Response:
         return web.json_response({"server_load": len(emu.lives)})

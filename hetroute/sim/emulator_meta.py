@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from hetroute.latency import EMULATOR_MARK
 from hetroute.sim.emulator_protocol import EngineApiError, EngineKind
 from hetroute.sim.emulator_text import CHARS_PER_TOKEN, chat_token_ids, token_ids
 from hetroute.sim.engine_model import EngineModel
@@ -80,6 +81,7 @@ def tgi_info_body(engine: EngineModel, served_model: str, max_concurrent_request
         "max_client_batch_size": 4,
         "router": "text-generation-router",
         "version": TGI_VERSION,
+        EMULATOR_MARK: True,
         "sha": None,
         "docker_label": None,
     }

@@ -176,7 +176,7 @@ def _kv_capacity(
 ) -> tuple[int, str, list[str]]:
     """KV capacity in tokens, its source and warnings: a measured profile's figure wins over ``computed``."""
     warnings: list[str] = []
-    if profile.source == "profiled" and profile_path is not None:
+    if profile.source in ("profiled", "emulated") and profile_path is not None:
         cap = profile.kv_capacity_tokens
         if abs(cap - computed_tokens) > 0.05 * computed_tokens:
             warnings.append(

@@ -65,6 +65,8 @@ async def test_profile_of_emulated_v100_vllm_predicts_heldout_batches(tmp_path: 
     assert outcome.info is not None and outcome.fit is not None
     assert outcome.info.kv_capacity_tokens == engine.kv_capacity_tokens
     assert outcome.info.kv_capacity_source == "vllm:cache_config_info"
+    assert outcome.info.emulated  # the emulator says so in /version: the artifact is not a GPU's
+    assert load_profile(out).source == "emulated"
     assert outcome.fit.prefill_heldout.mape < MAX_MAPE and outcome.fit.decode_heldout.mape < MAX_MAPE, report
     assert outcome.fit.heldout_batches == 6  # 1 of the 3 batches of each of 6 shapes
     assert "output length controlled exactly" in report
