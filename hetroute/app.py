@@ -2,13 +2,13 @@
 
 Owns the wiring (house style §1, §8): it builds the policy, predictor, ledger, router,
 health tracker, metrics store, telemetry and forwarder from a resolved :class:`Config`
-and exposes them through typed ``web.AppKey``s. Nothing runs at import time and there
-are no globals: every call builds a fresh, independent app.
+and exposes them through the typed ``web.AppKey``s of :mod:`hetroute.app_keys` (re-exported here).
+Nothing runs at import time and there are no globals: every call builds a fresh, independent app.
 
-Lifecycle (``cleanup_ctx``, reverse order on shutdown): the client sessions
+Lifecycle (:mod:`hetroute.lifecycle`, ``cleanup_ctx``, reverse order on shutdown): the client sessions
 (:class:`~hetroute.proxy.upstream.Upstream`, built here and injected into the forwarder, opened once the
-loop runs), then the background tasks (active probes, one scraper per backend), which are cancelled and
-awaited before the sessions close.
+loop runs), then the background tasks (each member backend's probe and scrape, DNS discovery, the
+learning loop), which are cancelled and awaited before the sessions close.
 
 ``hetroute serve --workers N`` builds one app per worker process with this same function
 (``worker=k``); nothing is shared between them but the listening port.
@@ -16,10 +16,9 @@ awaited before the sessions close.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -27,16 +26,30 @@ from prometheus_client import CollectorRegistry
 from hetroute.access_log import AccessLog, LineSink
 from hetroute.admission.full import Placer
 from hetroute.admission.gate import AdmissionGate
-from hetroute.backends.dns import DnsDiscovery, dns_loop, make_resolver
+from hetroute.app_keys import (
+    ADMISSION,
+    CLIENT_GUARD,
+    CONFIG,
+    FORWARDER,
+    HEALTH,
+    LEARNER,
+    LEDGER,
+    MEMBERSHIP,
+    METRICS,
+    ROUTER,
+    SAVE_DIR,
+    TELEMETRY,
+    UPSTREAM,
+)
 from hetroute.backends.health import HealthTracker
 from hetroute.backends.membership import Membership
 from hetroute.backends.scrape import MetricsStore
-from hetroute.backends.tasks import BackendTasks
-from hetroute.clock import MonotonicClock, Sleeper
+from hetroute.clock import MonotonicClock
 from hetroute.config import ComponentConfig, Config
 from hetroute.learning.build import build_live_models
 from hetroute.learning.live import LiveModels
-from hetroute.learning.state import load_saved, save_all
+from hetroute.learning.state import load_saved
+from hetroute.lifecycle import background_tasks, client_session, close_admission, learning_loop
 from hetroute.policies import PolicyContext, build_policy
 from hetroute.policies.backend_model import BackendModels
 from hetroute.prefix.state import PrefixState
@@ -54,22 +67,27 @@ from hetroute.telemetry import Telemetry
 from hetroute.types import BackendSpec, Clock, Policy
 from predictors import DEFAULT_PREDICTOR, build_predictor
 
-CONFIG = web.AppKey("config", Config)
-ROUTER = web.AppKey("router", Router)
-LEDGER = web.AppKey("ledger", Ledger)
-HEALTH = web.AppKey("health", HealthTracker)
-METRICS = web.AppKey("metrics", MetricsStore)
-TELEMETRY = web.AppKey("telemetry", Telemetry)
-FORWARDER = web.AppKey("forwarder", Forwarder)
-UPSTREAM = web.AppKey("upstream", Upstream)
-ADMISSION = web.AppKey("admission", AdmissionGate)
-MEMBERSHIP = web.AppKey("membership", Membership)
-LEARNER = web.AppKey("learner", LiveModels)
-CLIENT_GUARD = web.AppKey("client_guard", ClientGuard)
-SAVE_DIR = web.AppKey("save_dir", str)
-"""Where this app writes its learned models (absent: it writes none)."""
+__all__ = [
+    "ADMISSION",
+    "CLIENT_GUARD",
+    "CONFIG",
+    "FORWARDER",
+    "HEALTH",
+    "LEARNER",
+    "LEDGER",
+    "MEMBERSHIP",
+    "METRICS",
+    "ROUTER",
+    "SAVE_DIR",
+    "TELEMETRY",
+    "UPSTREAM",
+    "build_app",
+    "learning_loop",
+    "make_runner",
+    "start_app",
+    "tgi_model_of",
+]
 
-log = logging.getLogger(__name__)
 
 RUNNER_SHUTDOWN_S = 0.2
 """aiohttp's own wait for handlers at ``runner.cleanup()``. The grace period is served before,
@@ -108,9 +126,63 @@ def build_app(
     clock = clock or MonotonicClock()
     seed = (cfg.seed if seed is None else seed) + (worker or 0)
     registry = registry if registry is not None else CollectorRegistry()
+    telemetry = Telemetry(registry)
+    cluster = _cluster(cfg, seed, clock, telemetry)
+    _bind_telemetry(telemetry, cluster)
+    forwarder = _forwarder(cfg, cluster, telemetry, clock, seed, access_sink, registry)
+    guard = ClientGuard(
+        limits_of(cfg.server),
+        telemetry=telemetry,
+        access_log=forwarder.access_log,
+        next_request_id=forwarder.next_request_id,
+    )
+    t = cfg.timeouts
+    gateway = Gateway(
+        forwarder=forwarder,
+        router=cluster.router,
+        health=cluster.health,
+        metrics=cluster.metrics,
+        telemetry=telemetry,
+        max_body_bytes=cfg.server.max_body_bytes,
+        admin_token=cfg.admin_token,
+        tgi_model=tgi_model_of(cfg, cluster.router.backends),
+        info_timeout_s=t.discovery_s,
+        backend_models=cluster.models,
+        learner=cluster.learner,
+        body_timeout_s=cfg.server.body_timeout_s,
+        membership=cluster.membership,
+        workers=cfg.server.workers,
+        drain_timeout_s=cfg.server.shutdown_grace_s,
+    )
+    app = web.Application(
+        client_max_size=cfg.server.max_body_bytes,
+        middlewares=[error_middleware(guard, clock, cfg.server.max_body_bytes)],
+    )
+    app[CLIENT_GUARD] = guard
+    app[CONFIG] = cfg
+    app[TELEMETRY] = telemetry
+    _register(app, cluster, forwarder, worker)
+    add_routes(app, gateway)
+    return app
+
+
+@dataclass(frozen=True, slots=True)
+class _Cluster:
+    """The per-backend components of one app, built together (:func:`_cluster`)."""
+
+    models: BackendModels
+    learner: LiveModels | None
+    health: HealthTracker
+    metrics: MetricsStore
+    ledger: Ledger
+    router: Router
+    membership: Membership
+
+
+def _cluster(cfg: Config, seed: int, clock: Clock, telemetry: Telemetry) -> _Cluster:
+    """Models, learner, health, scrapes, ledger, router and membership for ``cfg``'s backends."""
     specs = cfg.specs()
     names = [s.name for s in specs]
-
     # The backends' static latency models (profile → roofline prior → neutral default) are resolved
     # once, here: the policy, the learner and /admin all read this one copy.
     backend_models = BackendModels.from_specs(specs)
@@ -118,22 +190,18 @@ def build_app(
     def policy_for(backends: tuple[BackendSpec, ...], models: BackendModels) -> Policy:
         return build_policy(cfg.policy.type, cfg.policy.params, PolicyContext(backends, seed, models))
 
-    policy = policy_for(specs, backend_models)
     learner: LiveModels | None = None
     if cfg.learning.enabled:
         saved = load_saved(cfg.learning.state_dir, specs) if cfg.learning.state_dir else {}
         learner = build_live_models(backend_models, cfg.learning, saved)
-    pred_cfg = cfg.predictor or ComponentConfig(DEFAULT_PREDICTOR)
-    predictor = build_predictor(pred_cfg.type, pred_cfg.params, seed)
-    telemetry = Telemetry(registry)
     health = HealthTracker(
-        cfg.health, names, clock, on_eject=lambda i: telemetry.ejections.labels(names[i]).inc()
+        cfg.health, names, clock, on_eject=lambda i: telemetry.ejections.labels(health.names[i]).inc()
     )
     metrics = MetricsStore(len(specs), clock, cfg.scrape.stale_after_s)
     ledger = Ledger(names)
     router = Router(
         specs,
-        policy,
+        policy_for(specs, backend_models),
         ledger,
         clock,
         is_available=health.is_available,
@@ -154,11 +222,20 @@ def build_app(
         build_policy=policy_for,
         learner=learner,
     )
+    return _Cluster(backend_models, learner, health, metrics, ledger, router, membership)
+
+
+def _bind_telemetry(telemetry: Telemetry, c: _Cluster) -> None:
+    """Per-backend gauges, computed on scrape, that follow the member set."""
+    router, ledger = c.router, c.ledger
     telemetry.bind_backends(
-        names, health.is_available, metrics.age_s, lambda i: int(ledger.requests_in_flight[i])
+        [b.name for b in router.backends],
+        c.health.is_available,
+        c.metrics.age_s,
+        lambda i: int(ledger.requests_in_flight[i]),
     )
-    if learner is not None:
-        telemetry.bind_learner(learner)
+    if c.learner is not None:
+        telemetry.bind_learner(c.learner)
     if router.prefix is not None:
         telemetry.bind_prefix(router.prefix)
     telemetry.bind_foreign(router.foreign_requests)
@@ -166,22 +243,34 @@ def build_app(
     def members_changed(_: int, __: BackendSpec) -> None:
         telemetry.set_members([(i, router.backends[i].name) for i in router.members()])
 
-    membership.on_join.append(members_changed)
-    membership.on_leave.append(members_changed)
-    estimator = TokenEstimator(cfg.tokens.initial_chars_per_token, cfg.tokens.learn_rate)
+    c.membership.on_join.append(members_changed)
+    c.membership.on_leave.append(members_changed)
+
+
+def _forwarder(
+    cfg: Config,
+    c: _Cluster,
+    telemetry: Telemetry,
+    clock: Clock,
+    seed: int,
+    access_sink: LineSink | None,
+    registry: CollectorRegistry,
+) -> Forwarder:
+    """The request path: predictor, token estimator, admission gate (when on) and upstream sessions."""
+    pred_cfg = cfg.predictor or ComponentConfig(DEFAULT_PREDICTOR)
     t = cfg.timeouts
     adm = cfg.admission
     admission: AdmissionGate | None = None
     if adm.enabled:
-        admission = AdmissionGate(adm, router, Placer(router, adm.full, backend_models), clock, registry)
-    upstream = Upstream(t.connect_s)
-    forwarder = Forwarder(
-        router=router,
-        health=health,
+        placer = Placer(c.router, adm.full, c.models)
+        admission = AdmissionGate(adm, c.router, placer, clock, registry)
+    return Forwarder(
+        router=c.router,
+        health=c.health,
         telemetry=telemetry,
         access_log=AccessLog(access_sink, enabled=cfg.server.access_log),
-        estimator=estimator,
-        predictor=predictor,
+        estimator=TokenEstimator(cfg.tokens.initial_chars_per_token, cfg.tokens.learn_rate),
+        predictor=build_predictor(pred_cfg.type, pred_cfg.params, seed),
         clock=clock,
         settings=ForwardSettings(
             t.connect_s,
@@ -192,60 +281,32 @@ def build_app(
             retry_request_timeouts=cfg.retries.retry_request_timeouts,
         ),
         id_prefix=f"{random.Random(seed).getrandbits(32):08x}",
-        upstream=upstream,
+        upstream=Upstream(t.connect_s),
         admission=admission,
     )
-    guard = ClientGuard(
-        limits_of(cfg.server),
-        telemetry=telemetry,
-        access_log=forwarder.access_log,
-        next_request_id=forwarder.next_request_id,
-    )
-    gateway = Gateway(
-        forwarder=forwarder,
-        router=router,
-        health=health,
-        metrics=metrics,
-        telemetry=telemetry,
-        max_body_bytes=cfg.server.max_body_bytes,
-        admin_token=cfg.admin_token,
-        tgi_model=tgi_model_of(cfg, specs),
-        info_timeout_s=t.discovery_s,
-        backend_models=backend_models,
-        learner=learner,
-        body_timeout_s=cfg.server.body_timeout_s,
-        membership=membership,
-        workers=cfg.server.workers,
-        drain_timeout_s=cfg.server.shutdown_grace_s,
-    )
 
-    app = web.Application(
-        client_max_size=cfg.server.max_body_bytes,
-        middlewares=[error_middleware(guard, clock, cfg.server.max_body_bytes)],
-    )
-    app[CLIENT_GUARD] = guard
-    app[CONFIG] = cfg
-    app[ROUTER] = router
-    app[LEDGER] = ledger
-    app[HEALTH] = health
-    app[METRICS] = metrics
-    app[MEMBERSHIP] = membership
-    app[TELEMETRY] = telemetry
+
+def _register(app: web.Application, c: _Cluster, forwarder: Forwarder, worker: int | None) -> None:
+    """The app keys, the lifecycle hooks and the worker tag."""
+    cfg = app[CONFIG]
+    app[ROUTER] = c.router
+    app[LEDGER] = c.ledger
+    app[HEALTH] = c.health
+    app[METRICS] = c.metrics
+    app[MEMBERSHIP] = c.membership
     app[FORWARDER] = forwarder
-    app[UPSTREAM] = upstream
-    if admission is not None:
-        app[ADMISSION] = admission
-        app.on_cleanup.append(_close_admission)
-    if learner is not None:
-        app[LEARNER] = learner
+    app[UPSTREAM] = forwarder.upstream
+    if forwarder.admission is not None:
+        app[ADMISSION] = forwarder.admission
+        app.on_cleanup.append(close_admission)
+    if c.learner is not None:
+        app[LEARNER] = c.learner
         if cfg.learning.state_dir and not worker:
             app[SAVE_DIR] = cfg.learning.state_dir
     if worker is not None:
         app.on_response_prepare.append(_worker_header(worker))
-    app.cleanup_ctx.append(_client_session)
-    app.cleanup_ctx.append(_background_tasks)
-    add_routes(app, gateway)
-    return app
+    app.cleanup_ctx.append(client_session)
+    app.cleanup_ctx.append(background_tasks)
 
 
 def _worker_header(worker: int) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
@@ -255,82 +316,6 @@ def _worker_header(worker: int) -> Callable[[web.Request, web.StreamResponse], A
         response.headers[WORKER_HEADER] = value
 
     return tag
-
-
-async def _client_session(app: web.Application) -> AsyncIterator[None]:
-    upstream = app[UPSTREAM]
-    upstream.open()
-    yield
-    await upstream.close()
-
-
-async def _close_admission(app: web.Application) -> None:
-    app[ADMISSION].close()
-
-
-async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
-    cfg = app[CONFIG]
-    session = app[UPSTREAM].session
-    router = app[ROUTER]
-    membership = app[MEMBERSHIP]
-    per_backend = BackendTasks(app[HEALTH], app[METRICS], session, cfg.scrape)
-    for i in router.members():
-        per_backend.start(i, router.backends[i])
-    membership.on_join.append(per_backend.start)
-    membership.on_leave.append(per_backend.stop)
-    tasks = []
-    if cfg.dns_entries():  # resolved at once, then every dns.interval_s
-        resolver = make_resolver(cfg.dns)
-        found = [
-            DnsDiscovery(e, membership, resolver, session, discovery_timeout_s=cfg.timeouts.discovery_s)
-            for e in cfg.dns_entries()
-        ]
-        tasks.append(asyncio.create_task(dns_loop(found, cfg.dns.interval_s)))
-    learner = app.get(LEARNER)
-    save_dir = app.get(SAVE_DIR)
-    if learner is not None:
-        tasks.append(asyncio.create_task(learning_loop(learner, router, cfg, save_dir)))
-    yield
-    membership.on_join.remove(per_backend.start)
-    membership.on_leave.remove(per_backend.stop)
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await per_backend.close()
-    if learner is not None and save_dir:
-        _save(learner, router, save_dir)
-
-
-def _save(learner: LiveModels, router: Router, state_dir: str) -> None:
-    caps = router.snapshot().kv_capacity_tokens
-    try:
-        written = save_all(learner, router.backends, [float(c) for c in caps], state_dir)
-    except OSError as exc:
-        log.warning("could not save the learned models to %s: %s", state_dir, exc)
-        return
-    log.info("saved %d learned backend model(s) to %s", written, state_dir)
-
-
-async def learning_loop(
-    learner: LiveModels,
-    router: Router,
-    cfg: Config,
-    save_dir: str | None,
-    sleep: Sleeper = asyncio.sleep,
-) -> None:
-    """Refit the live models every ``learning.refit_interval_s`` (waited through ``sleep``; off the
-    request path: requests only append observations) and save them to ``save_dir`` every
-    ``learning.save_interval_s`` (None: never)."""
-    every = cfg.learning
-    clock = router.clock
-    last_save = clock.now()
-    while True:
-        await sleep(every.refit_interval_s)
-        learner.set_capacities(router.snapshot().kv_capacity_tokens)
-        learner.refit(clock.now())
-        if save_dir and clock.now() - last_save >= every.save_interval_s:
-            last_save = clock.now()
-            _save(learner, router, save_dir)
 
 
 def make_runner(app: web.Application) -> web.AppRunner:

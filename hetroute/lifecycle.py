@@ -1,0 +1,108 @@
+"""An app's lifecycle (aiohttp ``cleanup_ctx`` and ``on_cleanup``): the upstream sessions, then the
+background tasks (per-backend probes and scrapes, DNS discovery, the learning loop), which are
+cancelled and awaited before the sessions close, and the learned models saved at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from hetroute.app_keys import (
+    ADMISSION,
+    CONFIG,
+    HEALTH,
+    LEARNER,
+    MEMBERSHIP,
+    METRICS,
+    ROUTER,
+    SAVE_DIR,
+    UPSTREAM,
+)
+from hetroute.backends.dns import DnsDiscovery, dns_loop, make_resolver
+from hetroute.backends.tasks import BackendTasks
+from hetroute.clock import Sleeper
+from hetroute.config import Config
+from hetroute.learning.live import LiveModels
+from hetroute.learning.state import save_all
+from hetroute.routing.router import Router
+
+log = logging.getLogger("hetroute.app")
+
+
+async def client_session(app: web.Application) -> AsyncIterator[None]:
+    upstream = app[UPSTREAM]
+    upstream.open()
+    yield
+    await upstream.close()
+
+
+async def close_admission(app: web.Application) -> None:
+    app[ADMISSION].close()
+
+
+async def background_tasks(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG]
+    session = app[UPSTREAM].session
+    router = app[ROUTER]
+    membership = app[MEMBERSHIP]
+    per_backend = BackendTasks(app[HEALTH], app[METRICS], session, cfg.scrape)
+    for i in router.members():
+        per_backend.start(i, router.backends[i])
+    membership.on_join.append(per_backend.start)
+    membership.on_leave.append(per_backend.stop)
+    tasks = []
+    if cfg.dns_entries():  # resolved at once, then every dns.interval_s
+        resolver = make_resolver(cfg.dns)
+        found = [
+            DnsDiscovery(e, membership, resolver, session, discovery_timeout_s=cfg.timeouts.discovery_s)
+            for e in cfg.dns_entries()
+        ]
+        tasks.append(asyncio.create_task(dns_loop(found, cfg.dns.interval_s)))
+    learner = app.get(LEARNER)
+    save_dir = app.get(SAVE_DIR)
+    if learner is not None:
+        tasks.append(asyncio.create_task(learning_loop(learner, router, cfg, save_dir)))
+    yield
+    membership.on_join.remove(per_backend.start)
+    membership.on_leave.remove(per_backend.stop)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await per_backend.close()
+    if learner is not None and save_dir:
+        _save(learner, router, save_dir)
+
+
+def _save(learner: LiveModels, router: Router, state_dir: str) -> None:
+    caps = router.snapshot().kv_capacity_tokens
+    try:
+        written = save_all(learner, router.backends, [float(c) for c in caps], state_dir)
+    except OSError as exc:
+        log.warning("could not save the learned models to %s: %s", state_dir, exc)
+        return
+    log.info("saved %d learned backend model(s) to %s", written, state_dir)
+
+
+async def learning_loop(
+    learner: LiveModels,
+    router: Router,
+    cfg: Config,
+    save_dir: str | None,
+    sleep: Sleeper = asyncio.sleep,
+) -> None:
+    """Refit the live models every ``learning.refit_interval_s`` (waited through ``sleep``; off the
+    request path: requests only append observations) and save them to ``save_dir`` every
+    ``learning.save_interval_s`` (None: never)."""
+    every = cfg.learning
+    clock = router.clock
+    last_save = clock.now()
+    while True:
+        await sleep(every.refit_interval_s)
+        learner.set_capacities(router.snapshot().kv_capacity_tokens)
+        learner.refit(clock.now())
+        if save_dir and clock.now() - last_save >= every.save_interval_s:
+            last_save = clock.now()
+            _save(learner, router, save_dir)
