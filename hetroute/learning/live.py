@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetroute.latency import PARAM_NAMES
-from hetroute.learning.fit import FitResult, FitSettings, fit_backend, predict_e2e_s, predict_tpot_s
+from hetroute.learning.fit import FitResult, FitSettings, RowCache, fit_backend, predict_e2e_s, predict_tpot_s
 from hetroute.learning.observation import Observation
 from hetroute.learning.settings import LearningConfig
 from hetroute.types import FloatArray
@@ -71,6 +71,7 @@ class _Backend:
     observed_total: int = 0
     drift_times_s: list[float] = field(default_factory=list)
     drift_pending: bool = False
+    rows: RowCache = field(default_factory=RowCache)
 
 
 class LiveModels:
@@ -181,6 +182,7 @@ class LiveModels:
                 max_num_seqs=float(self._max_seqs[i]),
                 settings=self.fit_settings,
                 regime_start_s=b.regime_start_s,
+                cache=b.rows,
             )
             params[i] = b.fit.params
             if b.drift_pending:
