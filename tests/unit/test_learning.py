@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from hetroute.latency import load_profile
 from hetroute.learning.fit import FitSettings, RowCache, fit_backend, predict_e2e_s, predict_tpot_s
-from hetroute.learning.live import LiveModels, PriorModel
+from hetroute.learning.live import DRIFT_WINDOW, LiveModels, PriorModel
 from hetroute.learning.observation import Observation
 from hetroute.learning.settings import LearningConfig
 from hetroute.learning.state import live_profile, load_saved, save_all, state_file
@@ -103,6 +104,19 @@ def test_refits_with_a_row_cache_equal_fits_from_scratch() -> None:
         window = stream[max(0, end - 128) : end]
         kwargs = {"now_s": 60.0, "capacity_tokens": cap, "max_num_seqs": SEQS, "settings": FitSettings()}
         assert fit_backend(window, prior, cache=cache, **kwargs) == fit_backend(window, prior, **kwargs)  # type: ignore[arg-type]
+
+
+def test_the_drift_statistic_is_numpys_median_exactly() -> None:
+    """The drift check takes the median of DRIFT_WINDOW residuals with ``statistics.median``: the same
+    value as ``np.median`` (what it replaced), ties and odd or even windows included."""
+    rng = random.Random(9)
+    for n in (DRIFT_WINDOW, DRIFT_WINDOW - 1, 2, 1):
+        for _ in range(2000):
+            pool = [rng.gauss(0, 1) for _ in range(4)]
+            window = [
+                rng.choice(pool) if rng.random() < 0.3 else math.log(rng.uniform(0.01, 100)) for _ in range(n)
+            ]
+            assert statistics.median(window) == float(np.median(np.array(window)))
 
 
 def test_fit_is_robust_to_outliers() -> None:
