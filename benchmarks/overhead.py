@@ -8,7 +8,8 @@ run's pair of measurements, so that drift in the machine's other load cancels wi
 Processes (two cores): the proxy under test (hetroute via ``hetroute serve``, or the bare
 proxy below) runs alone on core 0 (``os.sched_setaffinity``); the instant fake backend and
 this load generator share core 1. hetroute runs as a user's quick start does, ``hetroute serve --backend
-URL`` with every default (the default policy, access log, probes, scraping, live learning, prefix index).
+URL`` with every default (the default policy, access log, probes, scraping, live learning, prefix index;
+``--ceiling`` below keeps a config file with round robin, as its committed results were measured).
 Measured per proxy, with the same load:
 
 - added latency p50/p99 of a non-streaming request at concurrency 1 and 64
