@@ -161,37 +161,90 @@ def _decode_columns(prior: Sequence[float], batch: float, length: float, weight:
     return [weight * base, *(weight * f for f in features)]
 
 
+Rows = tuple[tuple[tuple[float, ...], float, int], ...]
+"""One observation's rows of the fit: (design x, target y, kind: 0 TTFT, 1 TPOT, 2 e2e) each."""
+
+
+def observation_rows(
+    obs: Observation, prior: Sequence[float], capacity_tokens: float, max_num_seqs: float
+) -> Rows:
+    """The one or two rows ``obs`` contributes to a fit anchored on ``prior``."""
+    i = max(float(obs.input_tokens) - obs.cached_tokens, 0.0)  # only uncached tokens are prefilled
+    pre = [max(prior_prefill_s(prior, obs.pending_tokens_ahead + i, i), _MIN_TARGET_S)]
+    b0, length0 = running_point(obs, capacity_tokens, max_num_seqs)
+    busy = _decode_columns(prior, b0, length0, _TTFT_DECODE_STEPS) if b0 > 0 else [0.0] * 5
+    b, length = decode_point(obs, capacity_tokens, max_num_seqs)
+    dec = _decode_columns(prior, b, length, 1.0)
+    steps = max(obs.output_tokens - 1, 0)
+    decode_s = obs.decode_s
+    if obs.ttft_s is not None and decode_s is not None:
+        ttft = ((*pre, *busy), obs.ttft_s, 0)
+        if steps >= 1 and decode_s > 0:
+            return ttft, ((0.0, *dec), decode_s / steps, 1)
+        return (ttft,)
+    return (((*pre, *(b_ + steps * v for b_, v in zip(busy, dec, strict=True))), obs.e2e_s, 2),)
+
+
+class RowCache:
+    """The rows of one backend's recent observations, kept between refits (computing them is most of a
+    refit's cost) while the prior, capacity and ``max_num_seqs`` they were computed for stay the same.
+
+    Entries are keyed by the observation's identity and hold the observation itself (so an identity is
+    never reused while cached); each call keeps only the observations it was given."""
+
+    __slots__ = ("_key", "_rows")
+
+    def __init__(self) -> None:
+        self._key: tuple[object, ...] = ()
+        self._rows: dict[int, tuple[Observation, Rows]] = {}
+
+    def rows(
+        self,
+        observations: Sequence[Observation],
+        prior: Sequence[float],
+        capacity_tokens: float,
+        max_num_seqs: float,
+    ) -> list[Rows]:
+        """:func:`observation_rows` of each of ``observations``, in order."""
+        key = (*prior, capacity_tokens, max_num_seqs)
+        old = self._rows if key == self._key else {}
+        new: dict[int, tuple[Observation, Rows]] = {}
+        out: list[Rows] = []
+        for obs in observations:
+            hit = old.get(id(obs))
+            rows = (
+                hit[1]
+                if hit is not None and hit[0] is obs
+                else observation_rows(obs, prior, capacity_tokens, max_num_seqs)
+            )
+            new[id(obs)] = (obs, rows)
+            out.append(rows)
+        self._key, self._rows = key, new
+        return out
+
+
 def _rows(
-    observations: Sequence[Observation], prior: Sequence[float], capacity_tokens: float, max_num_seqs: float
+    observations: Sequence[Observation],
+    prior: Sequence[float],
+    capacity_tokens: float,
+    max_num_seqs: float,
+    cache: RowCache | None = None,
 ) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
     """(design X, target y, kind (0 TTFT, 1 TPOT, 2 e2e), time) — one or two rows per observation."""
-    xs: list[list[float]] = []
+    per_obs = (
+        cache.rows(observations, prior, capacity_tokens, max_num_seqs)
+        if cache is not None
+        else [observation_rows(obs, prior, capacity_tokens, max_num_seqs) for obs in observations]
+    )
+    xs: list[tuple[float, ...]] = []
     ys: list[float] = []
     kinds: list[int] = []
     times: list[float] = []
-    for obs in observations:
-        i = max(float(obs.input_tokens) - obs.cached_tokens, 0.0)  # only uncached tokens are prefilled
-        pre = [max(prior_prefill_s(prior, obs.pending_tokens_ahead + i, i), _MIN_TARGET_S)]
-        b0, length0 = running_point(obs, capacity_tokens, max_num_seqs)
-        busy = _decode_columns(prior, b0, length0, _TTFT_DECODE_STEPS) if b0 > 0 else [0.0] * 5
-        b, length = decode_point(obs, capacity_tokens, max_num_seqs)
-        dec = _decode_columns(prior, b, length, 1.0)
-        steps = max(obs.output_tokens - 1, 0)
-        decode_s = obs.decode_s
-        if obs.ttft_s is not None and decode_s is not None:
-            xs.append([*pre, *busy])
-            ys.append(obs.ttft_s)
-            kinds.append(0)
-            times.append(obs.finished_at_s)
-            if steps >= 1 and decode_s > 0:
-                xs.append([0.0, *dec])
-                ys.append(decode_s / steps)
-                kinds.append(1)
-                times.append(obs.finished_at_s)
-        else:
-            xs.append([*pre, *(b_ + steps * v for b_, v in zip(busy, dec, strict=True))])
-            ys.append(obs.e2e_s)
-            kinds.append(2)
+    for obs, rows in zip(observations, per_obs, strict=True):
+        for x_row, y_row, kind in rows:
+            xs.append(x_row)
+            ys.append(y_row)
+            kinds.append(kind)
             times.append(obs.finished_at_s)
     x = np.array(xs, dtype=np.float64).reshape(len(xs), len(THETA_NAMES))
     y = np.maximum(np.array(ys, dtype=np.float64), _MIN_TARGET_S)
@@ -212,14 +265,16 @@ def fit_backend(
     max_num_seqs: float,
     settings: FitSettings,
     regime_start_s: float = -math.inf,
+    cache: RowCache | None = None,
 ) -> FitResult:
     """Fit p1..p8 to ``observations``, anchored on ``prior_params`` (the module docstring's method).
 
-    With no usable row the prior comes back unchanged with zero samples.
+    With no usable row the prior comes back unchanged with zero samples. ``cache`` (one per backend)
+    reuses the rows of observations an earlier fit already saw; the result is the same without it.
     """
     prior = [float(v) for v in prior_params]
     theta0 = np.array([1.0, 1.0, 0.0, 0.0, 0.0, 0.0], dtype=np.float64)
-    x, y, kinds, times = _rows(observations, prior, capacity_tokens, max_num_seqs)
+    x, y, kinds, times = _rows(observations, prior, capacity_tokens, max_num_seqs, cache)
     if y.size == 0:
         return FitResult(tuple(prior), (0.0,) * 8, 0, 0.0, math.nan, math.nan, math.nan)
     # Age counts from the backend's newest observation, not from now: a backend that has been idle

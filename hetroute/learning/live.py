@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetroute.latency import PARAM_NAMES
-from hetroute.learning.fit import FitResult, FitSettings, fit_backend, predict_e2e_s, predict_tpot_s
+from hetroute.learning.fit import FitResult, FitSettings, RowCache, fit_backend, predict_e2e_s, predict_tpot_s
 from hetroute.learning.observation import Observation
 from hetroute.learning.settings import LearningConfig
 from hetroute.types import FloatArray
@@ -73,6 +74,7 @@ class _Backend:
     observed_total: int = 0
     drift_times_s: list[float] = field(default_factory=list)
     drift_pending: bool = False
+    rows: RowCache = field(default_factory=RowCache)
 
 
 class LiveModels:
@@ -178,7 +180,8 @@ class LiveModels:
             and b.fit.samples >= DRIFT_WINDOW
             and len(b.residuals) == DRIFT_WINDOW
         ):
-            shift = float(np.median(np.array([r for _, r in b.residuals])))
+            # np.median's value (the mean of the two middle residuals) at a tenth of its cost
+            shift = statistics.median([r for _, r in b.residuals])
             limit = math.log(self.config.drift_ratio)
             if abs(shift) > limit:
                 # The new regime starts at the first of the recent requests already on the drift's side.
@@ -219,6 +222,7 @@ class LiveModels:
                 max_num_seqs=float(self._max_seqs[i]),
                 settings=self.fit_settings,
                 regime_start_s=b.regime_start_s,
+                cache=b.rows,
             )
             params[i] = b.fit.params
             if b.drift_pending:

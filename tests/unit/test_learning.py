@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from hetroute.latency import load_profile
-from hetroute.learning.fit import FitSettings, fit_backend, predict_e2e_s, predict_tpot_s
-from hetroute.learning.live import LiveModels, PriorModel
+from hetroute.learning.fit import FitSettings, RowCache, fit_backend, predict_e2e_s, predict_tpot_s
+from hetroute.learning.live import DRIFT_WINDOW, LiveModels, PriorModel
 from hetroute.learning.observation import Observation
 from hetroute.learning.settings import LearningConfig
 from hetroute.learning.state import live_profile, load_saved, save_all, state_file
@@ -89,6 +90,33 @@ def test_fit_recovers_the_decode_curve_and_the_prefill_level_from_a_wrong_prior(
     assert fit.params[0] == pytest.approx(TRUE[0], rel=0.1)
     assert fit.params[3] == pytest.approx(TRUE[3], rel=0.1)
     assert fit.samples == 400 and fit.tpot_mape < 0.05
+
+
+def test_refits_with_a_row_cache_equal_fits_from_scratch() -> None:
+    """A window sliding over streamed and non-streamed requests, refitted with one cache, while the
+    capacity changes once: every fit equals the one computed without the cache, exactly."""
+    rng = random.Random(5)
+    stream = synthetic(TRUE, 300, rng) + synthetic(TRUE, 300, rng, start_s=30.0, streamed=False)
+    rng.shuffle(stream)
+    cache = RowCache()
+    prior = tuple(v * 1.5 for v in TRUE)
+    for end, cap in ((100, CAP), (140, CAP), (400, CAP), (420, CAP / 4), (600, CAP / 4), (600, CAP)):
+        window = stream[max(0, end - 128) : end]
+        kwargs = {"now_s": 60.0, "capacity_tokens": cap, "max_num_seqs": SEQS, "settings": FitSettings()}
+        assert fit_backend(window, prior, cache=cache, **kwargs) == fit_backend(window, prior, **kwargs)  # type: ignore[arg-type]
+
+
+def test_the_drift_statistic_is_numpys_median_exactly() -> None:
+    """The drift check takes the median of DRIFT_WINDOW residuals with ``statistics.median``: the same
+    value as ``np.median`` (what it replaced), ties and odd or even windows included."""
+    rng = random.Random(9)
+    for n in (DRIFT_WINDOW, DRIFT_WINDOW - 1, 2, 1):
+        for _ in range(2000):
+            pool = [rng.gauss(0, 1) for _ in range(4)]
+            window = [
+                rng.choice(pool) if rng.random() < 0.3 else math.log(rng.uniform(0.01, 100)) for _ in range(n)
+            ]
+            assert statistics.median(window) == float(np.median(np.array(window)))
 
 
 def test_fit_is_robust_to_outliers() -> None:
