@@ -100,11 +100,60 @@ def choose_scalar(
         return None
     cand: list[int] = candidates.tolist()
     loads: list[float] = snap.workload.tolist()
+    cached = _cached(policy, snap, cand, loads)
+    n_req = snap.requests_in_flight.tolist()
+    t_list, u_list, w_list, lat_list = _costs(policy, features, snap, candidates, cand, cached, n_req)
+    own = [loads[c] + w for c, w in zip(cand, w_list, strict=True)]
+    if policy.latency_floor:
+        own = [max(a, b) for a, b in zip(own, lat_list, strict=True)]
+    if len(loads) >= 2:
+        first = max(loads)
+        top = loads.index(first)
+        ranked = sorted(loads)
+        second = ranked[-2]
+        score = [max(second if c == top else first, a) for c, a in zip(cand, own, strict=True)]
+    else:
+        score = own
+    best = min(score)
+    cut = best + 1e-12 * max(1.0, abs(best))
+    tied = [k for k, v in enumerate(score) if v <= cut]
+    if len(tied) > 1:
+        low = min(own[k] for k in tied)
+        cut_own = low + 1e-12 * max(1.0, abs(low))
+        tied = [k for k in tied if own[k] <= cut_own]
+    k = tied[rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
+    k = _keep_session(policy, snap, cand, score, own, k)
+    explored = _explore(policy, rng, features, snap, cand, n_req, k)
+    if explored is not None:
+        k = explored
+    cost = w_list[k]
+    if not math.isfinite(cost):  # pragma: no cover - guarded by MAX_EXPONENT; never charge ∞
+        cost = float(np.finfo(np.float64).max) / 4
+    what = "explore (few samples)" if explored is not None else f"min-max load {best:.4g}"
+    t_k, u_k = t_list[k], u_list[k]
+    return RoutingDecision(
+        index=cand[k],
+        reason=f"{what}: T={t_k:.4g}s kvusage={u_k:.3f} w={cost:.4g}",
+        workload_cost=cost,
+        scores={"minmax_load": best, "T_s": t_k, "kv_usage": u_k, "w": cost},
+    )
+
+
+def _costs(
+    policy: MinMaxSettings,
+    features: RequestFeatures,
+    snap: ClusterSnapshot,
+    candidates: IntArray,
+    cand: list[int],
+    cached: list[float] | None,
+    n_req: list[int],
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per candidate: T_r^s, kvusage, the cost w = T·e^(θ·kvusage) and (with the latency floor) the
+    request's own predicted latency, in the array path's operation order (Eq. 5-6, method.md §5)."""
     models = policy.models
     caps_snap = snap.kv_capacity_tokens.tolist()
     fallback = models.fallback_capacity_tokens
     seqs = models.max_num_seqs
-    cached = _cached(policy, snap, cand, loads)
     params = models.params if snap.latency_params is None else snap.latency_params
     rows: list[list[float]] = params[candidates].tolist()
     in_fl = snap.input_tokens_in_flight.tolist()
@@ -115,7 +164,6 @@ def choose_scalar(
     else:
         pred = snap.predicted_output_tokens_in_flight.tolist()
         kv = [in_fl[c] + pred[c] for c in cand]
-    n_req = snap.requests_in_flight.tolist()
     pending = snap.prefill_pending_tokens.tolist() if policy.prefill_queue else None
     input_tokens, output_tokens = features.input_tokens, features.predicted_output_tokens
     i = float(input_tokens)
@@ -170,40 +218,7 @@ def choose_scalar(
         w_list = [t * e for t, e in zip(t_list, np.exp(np.array(x_list)).tolist(), strict=True)]
     else:
         w_list = t_list
-    own = [loads[c] + w for c, w in zip(cand, w_list, strict=True)]
-    if policy.latency_floor:
-        own = [max(a, b) for a, b in zip(own, lat_list, strict=True)]
-    if len(loads) >= 2:
-        first = max(loads)
-        top = loads.index(first)
-        ranked = sorted(loads)
-        second = ranked[-2]
-        score = [max(second if c == top else first, a) for c, a in zip(cand, own, strict=True)]
-    else:
-        score = own
-    best = min(score)
-    cut = best + 1e-12 * max(1.0, abs(best))
-    tied = [k for k, v in enumerate(score) if v <= cut]
-    if len(tied) > 1:
-        low = min(own[k] for k in tied)
-        cut_own = low + 1e-12 * max(1.0, abs(low))
-        tied = [k for k in tied if own[k] <= cut_own]
-    k = tied[rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
-    k = _keep_session(policy, snap, cand, score, own, k)
-    explored = _explore(policy, rng, features, snap, cand, n_req, k)
-    if explored is not None:
-        k = explored
-    cost = w_list[k]
-    if not math.isfinite(cost):  # pragma: no cover - guarded by MAX_EXPONENT; never charge ∞
-        cost = float(np.finfo(np.float64).max) / 4
-    what = "explore (few samples)" if explored is not None else f"min-max load {best:.4g}"
-    t_k, u_k = t_list[k], u_list[k]
-    return RoutingDecision(
-        index=cand[k],
-        reason=f"{what}: T={t_k:.4g}s kvusage={u_k:.3f} w={cost:.4g}",
-        workload_cost=cost,
-        scores={"minmax_load": best, "T_s": t_k, "kv_usage": u_k, "w": cost},
-    )
+    return t_list, u_list, w_list, lat_list
 
 
 def _keep_session(
