@@ -27,10 +27,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
+import os
+import platform
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from hetroute.sim.cluster_file import build_fleet
 from hetroute.sim.scenarios import get_scenario
@@ -47,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--policies", default="round_robin,weighted_round_robin,default")
     parser.add_argument("--speedup", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="write the results as JSON (and a .md table beside it)")
     args = parser.parse_args(argv)
 
     fleet = build_fleet(get_scenario(args.scenario).cluster())
@@ -60,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         send_max_tokens=True,
     )
     worst = 0.0
+    rows: list[dict[str, object]] = []
     for policy in args.policies.split(","):
         sim = run_simulator(fleet, work, policy, {}, args.seed)
         started = time.perf_counter()
@@ -75,11 +81,49 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"diff {diff * 100:+.1f} %  "
             f"split sim {dict(sim.per_backend)} gateway {dict(gw.per_backend)}"
         )
+        rows.append(
+            {
+                "policy": policy,
+                "simulator_tokens_per_s": round(sim.throughput_tokens_per_s, 1),
+                "gateway_tokens_per_s": round(gw.throughput_tokens_per_s, 1),
+                "difference": round(diff, 4),
+                "simulator_split": dict(sim.per_backend),
+                "gateway_split": dict(gw.per_backend),
+                "gateway_loop_lag_p99_s": round(gw.loop_lag_p99_s, 4),
+            }
+        )
     print(
         f"worst |difference| {worst * 100:.1f} % "
         f"(speedup {args.speedup:g}, {args.requests} requests, rate {args.rate})"
     )
+    if args.out is not None:
+        _write(args, rows, worst)
     return 0 if worst <= 0.05 else 1
+
+
+def _write(args: argparse.Namespace, rows: list[dict[str, object]], worst: float) -> None:
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
+    args.out.write_text(
+        json.dumps({"machine": machine, "settings": settings, "worst": worst, "runs": rows}, indent=2)
+    )
+    lines = [
+        "# Simulator against the real gateway + emulators (`benchmarks/crosscheck.py`)",
+        "",
+        f"{args.scenario}, {args.workload}, {args.requests} requests at {args.rate} req/s, seed {args.seed}, "
+        f"emulators ×{args.speedup:g}; machine: {machine}.",
+        "",
+        "| policy | simulator tok/s | gateway tok/s | difference |",
+        "|---|---|---|---|",
+        *(
+            f"| {r['policy']} | {r['simulator_tokens_per_s']:.0f} | {r['gateway_tokens_per_s']:.0f} | "
+            f"{float(str(r['difference'])) * 100:+.1f} % |"
+            for r in rows
+        ),
+        "",
+        f"Worst |difference|: {worst * 100:.1f} %.",
+    ]
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
