@@ -199,8 +199,8 @@ class Forwarder:
             return RequestFeatures(
                 rid, model, parsed.api, input_est, parsed.max_tokens, predicted, parsed.stream
             )
-        header = prefix.config.session_header
-        session = (request.headers.get(header, "") if header else "") or parsed.user
+        header = prefix.config.session_header  # "" turns session affinity off, `user` included
+        session = (request.headers.get(header, "") or parsed.user) if header else ""
         return RequestFeatures(
             rid,
             model,

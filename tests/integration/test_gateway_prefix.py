@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import aiohttp
 
+from hetroute.app import ROUTER
 from hetroute.proxy.api_errors import BACKEND_HEADER
 from tests.conftest import EmulateFn, Gateway, GatewayFn, metric_sum
 
@@ -64,6 +65,22 @@ async def test_a_session_stays_on_its_backend_while_the_load_model_agrees(
         by_user = {await _complete(s, gw, f"hello {k}", user="alice") for k in range(8)}
     assert len(by_header) == 1 and len(by_user) == 1
     assert gw.ledger.is_zero()
+
+
+async def test_an_empty_session_header_turns_session_affinity_off_user_field_included(
+    emulate: EmulateFn, gateway: GatewayFn
+) -> None:
+    a, b = await emulate(name="a"), await emulate(name="b")
+    on = await gateway([a, b], policy={"type": "default"})
+    off = await gateway([a, b], policy={"type": "default"}, prefix={"session_header": ""})
+    async with aiohttp.ClientSession() as s:
+        for gw in (on, off):
+            await _complete(s, gw, "hello", user="alice", headers={"x-session-id": "s1"})
+    on_prefix, off_prefix = on.app[ROUTER].prefix, off.app[ROUTER].prefix
+    assert on_prefix is not None and off_prefix is not None
+    assert len(on_prefix.sessions) == 1  # the header (else `user`) names a session
+    assert len(off_prefix.sessions) == 0  # "": neither the header nor `user`
+    assert on.ledger.is_zero() and off.ledger.is_zero()
 
 
 async def test_prefix_routing_can_be_turned_off(emulate: EmulateFn, gateway: GatewayFn) -> None:
