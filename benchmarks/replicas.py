@@ -18,7 +18,10 @@ learning on (a new user's setup): each replica then learns from its own completi
 
 Reported per (known, scenario, rate, R, mode), mean over seeds: throughput and p99 TTFT, and their
 ratios to the single router of the same seed (R = 1; all modes are identical there). Issue 14's bar:
-throughput ≥ 0.97× and p99 TTFT ≤ 1.2× at every rate. Writes ``replicas.json`` and ``replicas.md``.
+throughput ≥ 0.97× and p99 TTFT ≤ 1.2× at every rate. Writes ``replicas.json`` and ``replicas.md``;
+with ``--peer-hint`` every replica is given ``server.replicas`` = R (until a scrape has seen its own
+requests, the scaled modes count each other replica as having sent as many as it did) and the files
+are ``replicas_peer_hint.*``.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class Task:
     requests: int
     replicas: int
     mode: str
+    peer_hint: bool = False
 
 
 _FLEETS: dict[tuple[str, str], Any] = {}
@@ -96,6 +100,7 @@ def execute(task: Task) -> dict[str, Any]:
         learning=LearningConfig() if task.known == "nothing" else None,
         replicas=task.replicas,
         foreign=task.mode,  # type: ignore[arg-type]
+        peer_hint=task.peer_hint,
     )
     return {
         "known": task.known,
@@ -121,7 +126,9 @@ def build_tasks(args: argparse.Namespace) -> list[Task]:
                     tasks.append(Task(known, scenario, rate, seed, args.requests, 1, "off"))
                     for r in args.replicas:
                         for mode in args.modes:
-                            tasks.append(Task(known, scenario, rate, seed, args.requests, r, mode))
+                            tasks.append(
+                                Task(known, scenario, rate, seed, args.requests, r, mode, args.peer_hint)
+                            )
     return tasks
 
 
@@ -206,6 +213,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--known", default="prior,nothing")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument(
+        "--peer-hint",
+        action="store_true",
+        help="give every replica server.replicas = R (the start-up burst hint; writes replicas_peer_hint.*)",
+    )
     args = ap.parse_args(argv)
     args.scenarios = args.scenarios.split(",")
     args.rates = [math.inf if r.strip() == "inf" else float(r) for r in args.rates.split(",")]
@@ -230,10 +242,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = markdown(agg, meta)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "replicas.json").write_text(
+    stem = "replicas_peer_hint" if args.peer_hint else "replicas"
+    (args.out / f"{stem}.json").write_text(
         json.dumps({"meta": meta, "runs": rows, "cells": agg}, indent=1) + "\n"
     )
-    (args.out / "replicas.md").write_text(text)
+    (args.out / f"{stem}.md").write_text(text)
     return 0
 
 

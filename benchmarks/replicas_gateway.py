@@ -3,11 +3,13 @@
 
 Usage: ``python benchmarks/replicas_gateway.py [--requests 400] [--rates 24,inf] [--replicas 1,2,4]
 [--modes off,scaled_excess] [--speedup 2] [--seed 1] [--out benchmarks/results]``.
-Writes ``replicas_gateway.json`` and ``replicas_gateway.md``.
+Writes ``replicas_gateway.json`` and ``replicas_gateway.md`` (``replicas_gateway_peer_hint.*`` with
+``--peer-hint``).
 
 The fleet, workload and client are ``policies_gateway.py``'s (paper-a: Llama-3-8B on V100 TP4 and
 TP1, a seeded ShareGPT-like workload replayed open-loop at ``--speedup``); every gateway runs the
-``default`` policy with the given ``scrape.foreign_load`` mode and scrapes every ``1 / speedup`` s.
+``default`` policy with the given ``scrape.foreign_load`` mode (``server.replicas`` left at 1, the
+default a user gets; ``--peer-hint`` sets it to R) and scrapes every ``1 / speedup`` s.
 Request k goes to gateway k mod R. Reported: throughput and p99 TTFT (model seconds), and their ratios
 to one gateway at the same rate (issue 14's bars: ≥ 0.97 and ≤ 1.2).
 
@@ -91,7 +93,12 @@ async def run_one(replicas: int, mode: str, rate: float, args: argparse.Namespac
             port = free_port()
             config = {
                 "seed": 1 + r,
-                "server": {"host": "127.0.0.1", "port": port, "access_log": False},
+                "server": {
+                    "host": "127.0.0.1",
+                    "port": port,
+                    "access_log": False,
+                    "replicas": replicas if args.peer_hint else 1,
+                },
                 "policy": {"type": "default"},
                 "scrape": {"interval_s": max(0.05, 1.0 / args.speedup), "foreign_load": mode},
                 "backends": backends,
@@ -150,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--rates", default="24,inf")
     ap.add_argument("--replicas", default="1,2,4")
+    ap.add_argument("--peer-hint", action="store_true", help="set server.replicas = R in every gateway")
     ap.add_argument("--modes", default="off,scaled_excess")
     ap.add_argument("--speedup", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=1)
@@ -176,8 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     doc = {"benchmark": "replicas_gateway", "args": vars(args) | {"out": str(args.out)}, "results": rows}
-    (args.out / "replicas_gateway.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    (args.out / "replicas_gateway.md").write_text(text)
+    stem = "replicas_gateway_peer_hint" if args.peer_hint else "replicas_gateway"
+    (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    (args.out / f"{stem}.md").write_text(text)
     return 0
 
 

@@ -212,6 +212,7 @@ def _cluster(cfg: Config, seed: int, clock: Clock, telemetry: Telemetry) -> _Clu
         learner=learner,
         prefix=PrefixState(len(specs), cfg.prefix) if cfg.prefix.enabled else None,
         foreign=cfg.scrape.foreign_load,
+        replicas=cfg.server.replicas * cfg.server.workers,
     )
     metrics.on_publish = router.scraped
     membership = Membership(

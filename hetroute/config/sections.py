@@ -44,6 +44,10 @@ class ServerConfig:
     workers: PositiveInt = 1
     """Processes serving the port (``hetroute serve --workers``, :mod:`hetroute.commands.serve_workers`);
     more than 1 needs Linux and a fixed ``port``."""
+    replicas: PositiveInt = 1
+    """Router replicas sharing the engines (a Deployment's ``replicas``), this one included. A hint:
+    until a scrape has seen this router's own requests, each of the ``replicas × workers`` routers
+    assumes the others sent as many as it did (:class:`hetroute.routing.foreign.ForeignLoad`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,6 +66,8 @@ class ForeignLoad:
 
     __slots__ = (
         "mode",
+        "peers",
+        "_calibrated",
         "_counts",
         "_own_at_scrape",
         "_waiting_share",
@@ -76,8 +78,13 @@ class ForeignLoad:
         "_live",
     )
 
-    def __init__(self, backends: int, mode: ForeignMode = DEFAULT_FOREIGN_MODE) -> None:
+    def __init__(self, backends: int, mode: ForeignMode = DEFAULT_FOREIGN_MODE, peers: int = 0) -> None:
+        """``peers``: the other router replicas expected to share the engines (a hint, ``replicas`` − 1;
+        see :meth:`counts`)."""
         self.mode = mode
+        self.peers = peers
+        self._calibrated = False
+        """A scrape has seen some of this router's own requests (the peer hint is off from then on)."""
         self._counts: FloatArray = np.zeros(backends, dtype=np.float64)
         self._own_at_scrape: FloatArray = np.zeros(backends, dtype=np.float64)
         self._waiting_share: FloatArray = np.zeros(backends, dtype=np.float64)
@@ -108,6 +115,8 @@ class ForeignLoad:
         ``own_in_flight`` requests there at that instant."""
         running, waiting = metrics.num_requests_running, metrics.num_requests_waiting
         self._seen[backend] = metrics
+        if own_in_flight > 0 and running is not None:
+            self._calibrated = True
         self._own_at_scrape[backend] = own_in_flight
         if running is None:
             self._counts[backend] = 0.0
@@ -134,8 +143,19 @@ class ForeignLoad:
             p[row, backend] = old + rate * (value - old)
 
     def counts(self, metrics: tuple[EngineMetrics | None, ...], own_now: IntArray) -> FloatArray | None:
-        """Foreign requests per backend under the latest ``metrics`` (None when there are none)."""
+        """Foreign requests per backend under the latest ``metrics`` (None when there are none).
+
+        Until a scrape has ever seen any of this router's own requests (so nothing has yet measured
+        the others' share), a scaled mode with ``peers`` > 0 takes ρ = ``peers``: each other replica is
+        assumed to have sent as much as this one (``peers · own_b(now)``). That is the start-up burst,
+        routed before any engine has reported it, when nothing else tells a replica that it holds only
+        part of the traffic. Once calibrated, the scrapes alone decide (at low load an engine is often
+        empty at the scrape instant, which is no evidence that the others send nothing)."""
         if not self._any:
+            hinted = self.peers and not self._calibrated and self.mode in ("scaled", "scaled_excess")
+            if hinted and own_now.any():
+                prior: FloatArray = self.peers * own_now.astype(np.float64)
+                return prior
             return None
         if metrics != self._live_key:  # element identity first: cheap while the scrapes are unchanged
             live = np.array([m is not None and m is s for m, s in zip(metrics, self._seen, strict=True)])

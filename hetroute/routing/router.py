@@ -78,6 +78,7 @@ class Router:
         foreign: ForeignMode = DEFAULT_FOREIGN_MODE,
         available_all: Callable[[], tuple[bool, ...]] | None = None,
         latest_metrics_all: Callable[[], tuple[EngineMetrics | None, ...]] | None = None,
+        replicas: int = 1,
     ) -> None:
         """``available_all`` / ``latest_metrics_all``, when given, must equal ``is_available`` /
         ``latest_metrics`` over every backend in one call (the gateway's health tracker and metrics
@@ -99,7 +100,7 @@ class Router:
         self.retired: frozenset[int] = frozenset()
         """Slots whose backend left the cluster (draining, or free for the next backend added): never
         routed to, not listed (live backend changes, :mod:`hetroute.backends.membership`)."""
-        self.foreign = ForeignLoad(len(self.backends), foreign)
+        self.foreign = ForeignLoad(len(self.backends), foreign, peers=max(replicas - 1, 0))
         self._decide_started = 0.0  # timer reading at the start of the last decide()
         self._backends_changed()
 

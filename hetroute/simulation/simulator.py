@@ -120,6 +120,7 @@ def run_simulation(
     admission: SimAdmission | None = None,
     prefix: PrefixConfig | None = DEFAULT_PREFIX,
     replicas: int = 1,
+    peer_hint: bool = False,
     foreign: ForeignMode = DEFAULT_FOREIGN_MODE,
 ) -> SimResult:
     """Simulate ``workload`` (sorted by arrival) on ``cluster`` routed by ``policy_name``.
@@ -157,7 +158,8 @@ def run_simulation(
             policy: Policy = build_policy(policy_name, dict(policy_params or {}), ctx)
         else:
             policy = policy_name
-        return _build_router(fleet, policy, models, clock, holder, learning, prefix, foreign)
+        hint = replicas if peer_hint else 1
+        return _build_router(fleet, policy, models, clock, holder, learning, prefix, foreign, hint)
 
     router = replica(0)
     policy = router.policy
@@ -211,6 +213,7 @@ def _build_router(
     learning: LearningConfig | None,
     prefix: PrefixConfig | None,
     foreign: ForeignMode,
+    replicas: int = 1,
 ) -> Router:
     """One router over ``fleet`` with its own ledger, learner and prefix index.
 
@@ -225,6 +228,7 @@ def _build_router(
         learner=build_live_models(models, learning) if learning is not None and learning.enabled else None,
         prefix=PrefixState(len(fleet.backends), prefix) if prefix is not None and prefix.enabled else None,
         foreign=foreign,
+        replicas=replicas,
     )
 
 

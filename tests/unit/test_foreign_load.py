@@ -31,7 +31,7 @@ class Scrapes:
         self.router.scraped(i, m)
 
 
-def make(mode: ForeignMode) -> tuple[Router, Scrapes]:
+def make(mode: ForeignMode, replicas: int = 1) -> tuple[Router, Scrapes]:
     backends = [spec("a", models=("m",)), spec("b", models=("m",))]
     scrapes = Scrapes()
     router = Router(
@@ -41,6 +41,7 @@ def make(mode: ForeignMode) -> tuple[Router, Scrapes]:
         ManualClock(),
         latest_metrics=scrapes.get,
         foreign=mode,
+        replicas=replicas,
     )
     scrapes.router = router
     return router, scrapes
@@ -129,3 +130,28 @@ def test_off_ignores_the_engines_counts() -> None:
     router.route(feats(0))
     scrapes.publish(0, running=9.0)
     assert router.snapshot().requests_in_flight[0] == 1
+
+
+def test_with_peers_expected_a_burst_before_any_scrape_counts_them_as_large_as_its_own() -> None:
+    router, scrapes = make("scaled_excess", replicas=4)
+    scrapes.publish(0, running=0.0)  # idle engines scraped before the burst: no evidence of a share
+    scrapes.publish(1, running=0.0)
+    tickets = [router.route(feats(k)) for k in range(3)]  # round robin: 2 on a, 1 on b
+    # No scrape has seen this router's requests: each of the 3 others is assumed to have sent as many.
+    assert list(router.snapshot().requests_in_flight) == [8, 4]
+    scrapes.publish(0, running=2.0)  # the engine holds exactly our 2: the others sent nothing there
+    scrapes.publish(1, running=1.0)
+    assert list(router.snapshot().requests_in_flight) == [2, 1]
+    for t in tickets:
+        router.release(t)
+    assert router.ledger.is_zero()
+
+
+def test_the_peer_hint_changes_nothing_for_one_router_or_without_scaling() -> None:
+    cases: tuple[tuple[ForeignMode, int], ...] = (("scaled_excess", 1), ("off", 4), ("raw", 4))
+    for mode, replicas in cases:
+        router, _ = make(mode, replicas=replicas)
+        tickets = [router.route(feats(k)) for k in range(3)]
+        assert list(router.snapshot().requests_in_flight) == [2, 1], (mode, replicas)
+        for t in tickets:
+            router.release(t)
