@@ -130,6 +130,9 @@ def build_app(
     cluster = _cluster(cfg, seed, clock, telemetry)
     _bind_telemetry(telemetry, cluster)
     forwarder = _forwarder(cfg, cluster, telemetry, clock, seed, access_sink, registry)
+    gate = forwarder.admission
+    if gate is not None:  # a backend that joins is capacity for the requests waiting now
+        cluster.membership.on_join.append(lambda _i, _spec: gate.wake())
     guard = ClientGuard(
         limits_of(cfg.server),
         telemetry=telemetry,

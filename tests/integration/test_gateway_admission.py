@@ -169,3 +169,32 @@ async def test_queue_off_dispatches_everything_at_once(emulate: EmulateFn, gatew
         for r in resps:
             r.close()
     assert await eventually(lambda: gw.ledger.is_zero() and not emu.state.lives)
+
+
+async def test_a_backend_added_while_requests_wait_takes_them_at_once(
+    emulate: EmulateFn, gateway: GatewayFn
+) -> None:
+    a, b = await emulate(name="a", speedup=10.0), await emulate(name="b", speedup=10.0)
+    admission = {**ONE, "recheck_s": 30.0}  # only a wake-up can dispatch the waiter in time
+    gw = await gateway([one_seq(a)], admission=admission, admin_token="tok")
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 300, "stream": True}  # ~0.8 s each on a
+    async with aiohttp.ClientSession() as s:
+
+        async def one() -> tuple[str, bytes]:
+            async with s.post(gw.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                return resp.headers["x-hetroute-backend"], await resp.read()
+
+        first = asyncio.create_task(one())
+        assert await eventually(lambda: gw.ledger.in_flight() == 1)
+        second = asyncio.create_task(one())
+        assert await eventually(lambda: queue_len(gw) == 1)
+        headers = {"Authorization": "Bearer tok"}
+        async with s.post(gw.url + "/admin/backends", json=one_seq(b), headers=headers) as r:
+            assert r.status == 201
+        assert await eventually(lambda: queue_len(gw) == 0, timeout_s=0.3)  # long before a frees
+        assert gw.ledger.in_flight() == 2
+        outs = await asyncio.gather(first, second)
+    assert sorted(backend for backend, _ in outs) == ["a", "b"]
+    assert all(o.rstrip().endswith(b"data: [DONE]") for _, o in outs)
+    assert await eventually(lambda: drained(gw))
