@@ -1,11 +1,13 @@
 """SIGHUP: read the config file again and apply its ``backends:`` to the running gateway.
 
-Only the backend set changes live (:class:`~hetroute.backends.membership.Membership`): entries added to
-the file join, entries removed leave (their in-flight requests finish), and entries whose fields
-changed are replaced. Backends added through the admin API are not the file's and stay. Every other
-section is read too, and a change there is reported as needing a restart (a listener, a policy or a
-timeout cannot be swapped under running requests without surprises). A file that no longer parses, or
-a backend that cannot be discovered, leaves everything as it was and logs why.
+Only the backend set changes live (:class:`~hetroute.backends.membership.Membership`): entries added
+to the file join, entries removed leave (their in-flight requests finish), and entries whose fields
+changed are replaced. Entries with ``discovery: dns`` are resolved by the resolvers set up at
+start-up, so a change to them is reported as needing a restart. Backends added through the admin API
+are not the file's and stay. Every other section is read too, and a change there is reported as
+needing a restart (a listener, a policy or a timeout cannot be swapped under running requests without
+surprises). A file that no longer parses, or a backend that cannot be discovered, leaves everything
+as it was and logs why.
 
 With ``--workers N`` the supervisor forwards SIGHUP to every worker and each applies the file itself.
 """
@@ -30,12 +32,17 @@ log = logging.getLogger("hetroute.reload")
 
 
 def changed_sections(old: Config, new: Config) -> tuple[str, ...]:
-    """The top-level sections other than ``backends`` that differ between two configs."""
-    return tuple(
+    """What a reload cannot apply: the top-level sections other than ``backends`` that differ between
+    two configs, and ``backends (discovery: dns entries)`` when those entries differ (their resolvers
+    are set up at start-up)."""
+    stale = tuple(
         f.name
         for f in fields(Config)
         if f.name != "backends" and getattr(old, f.name) != getattr(new, f.name)
     )
+    if old.dns_entries() != new.dns_entries():
+        stale += ("backends (discovery: dns entries)",)
+    return stale
 
 
 class Reloader:
