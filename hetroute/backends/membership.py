@@ -146,7 +146,7 @@ class Membership:
         router.set_slot(i, spec)
         self.health.set_slot(i, spec.name)
         self.metrics.set_slot(i)
-        self.backend_models.set_slot(i, spec)
+        self.backend_models.adopt(models, i)  # resolved once, above
         if self.learner is not None and learned is not None:
             prior, start = learned
             self.learner.set_slot(

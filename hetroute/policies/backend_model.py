@@ -222,14 +222,15 @@ class BackendModels:
         out._arrays()
         return out
 
-    def set_slot(self, i: int, spec: BackendSpec) -> BackendModel:
-        """:meth:`with_slot`, in place (live backend changes): the arrays are replaced whole, so a
-        decision holding the old ones never sees half an update."""
-        other = self.with_slot(i, spec)
+    def adopt(self, other: BackendModels, i: int) -> None:
+        """Take over ``other``'s backends and arrays (a :meth:`with_slot` copy whose slot ``i`` changed),
+        in place for every holder of this instance (live backend changes). Each array is replaced
+        whole, so a decision holding the old ones never sees half an update."""
         self.backends, self.models = other.backends, other.models
-        self._arrays()
-        self._log(spec, self.models[i])
-        return self.models[i]
+        self.params, self.max_num_seqs = other.params, other.max_num_seqs
+        self.neutral_capacity_tokens = other.neutral_capacity_tokens
+        self.fallback_capacity_tokens = other.fallback_capacity_tokens
+        self._log(self.backends[i], self.models[i])
 
     @classmethod
     def from_specs(cls, backends: Sequence[BackendSpec]) -> BackendModels:

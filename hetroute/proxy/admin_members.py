@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from pathlib import Path
 
-import aiohttp
 from aiohttp import web
 
 from hetroute.backends.discovery import discover_backend
@@ -35,6 +33,7 @@ from hetroute.config import backend_from_dict
 from hetroute.errors import ConfigError
 from hetroute.proxy.admin_auth import bearer_token_matches
 from hetroute.proxy.api_errors import ApiError
+from hetroute.proxy.upstream import Upstream
 
 MAX_ADMIN_BODY_BYTES = 64 * 1024
 
@@ -45,7 +44,7 @@ class MemberAdmin:
     def __init__(
         self,
         membership: Membership,
-        session: Callable[[], aiohttp.ClientSession | None],
+        upstream: Upstream,
         *,
         admin_token: str | None,
         workers: int,
@@ -53,10 +52,10 @@ class MemberAdmin:
         default_drain_timeout_s: float,
         base_dir: Path | None = None,
     ) -> None:
-        """``session()`` is the app's client session (opened at start-up); ``base_dir`` is
+        """``upstream`` holds the app's client session (opened at start-up); ``base_dir`` is
         where a relative ``profile`` path is looked up (the config file's directory)."""
         self.membership = membership
-        self.session = session
+        self.upstream = upstream
         self.admin_token = admin_token
         self.workers = workers
         self.discovery_timeout_s = discovery_timeout_s
@@ -91,11 +90,8 @@ class MemberAdmin:
         except ConfigError as exc:
             raise ApiError(400, str(exc), param=exc.path) from exc
         if not entry.resolved:
-            session = self.session()
-            if session is None:
-                raise ApiError(503, "the router is not started yet")
             try:
-                entry = await discover_backend(session, entry, 0, self.discovery_timeout_s)
+                entry = await discover_backend(self.upstream.session, entry, 0, self.discovery_timeout_s)
             except ConfigError as exc:
                 raise ApiError(502, f"cannot discover {entry.url}: {exc.message}") from exc
         spec = entry.to_spec(0)

@@ -83,7 +83,7 @@ class Gateway:
         self.members = (
             MemberAdmin(
                 membership,
-                lambda: forwarder.upstream.session,
+                forwarder.upstream,
                 admin_token=admin_token,
                 workers=workers,
                 discovery_timeout_s=info_timeout_s,
