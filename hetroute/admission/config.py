@@ -24,6 +24,7 @@ from hetroute.fields import (
     POSITIVE,
     NonNegativeInt,
     PositiveFloat,
+    Range,
     as_mapping,
     as_number,
     boolean,
@@ -73,8 +74,11 @@ class ClassConfig:
 class FullConfig:
     """When a backend is "full" for a request (admission/full.py).
 
-    ``kv_high_water_frac``: full when the ledger's KV estimate (Σ I + generated + remaining Õ of
-    in-flight requests) plus this request's I + Õ exceeds this fraction of the KV capacity.
+    ``kv_high_water_frac``: full when the ledger's KV estimate (Σ I + generated + ``kv_output_frac`` ·
+    remaining Õ of in-flight requests) plus this request's I + ``kv_output_frac`` · Õ exceeds this
+    fraction of the KV capacity. ``kv_output_frac``: the share of each request's predicted (remaining)
+    output reserved: 1 reserves the peak (no request can be preempted if the predictions hold), 0.5
+    the mean occupancy of a batch whose requests are spread over their lifetimes.
     ``seqs_high_water_frac``: full when in-flight requests reach this fraction of ``max_num_seqs``
     (when known). ``engine_waiting_max``: also full while the engine's last scrape reports more than
     this many waiting requests (None: 0, on the backends whose ``max_num_seqs`` is unknown only).
@@ -83,6 +87,7 @@ class FullConfig:
     """
 
     kv_high_water_frac: PositiveFloat = 1.0
+    kv_output_frac: Annotated[float, Range(minimum=0, maximum=1)] = 1.0
     seqs_high_water_frac: PositiveFloat = 1.0
     max_drain_s: PositiveFloat | None = None
     spill_margin: PositiveFloat = 2.0

@@ -12,7 +12,9 @@ request r (input ``I``, predicted output ``Õ``) when it has something in flight
   engine's batch is kept just full and its own waiting queue near empty;
 - **sequences**: in-flight requests ``>= seqs_high_water_frac · max_num_seqs_s`` (when known);
 - **engine queue**: the last scrape reports more waiting requests than ``engine_waiting_max``
-  (by default 0, and only on backends whose ``max_num_seqs`` is unknown).
+  (by default 0, and only on backends whose ``max_num_seqs`` is unknown) and the in-flight count
+  now still exceeds the engine's running count at that scrape by more than that
+  (:func:`_engine_queued`).
 
 A backend with nothing in flight is never full, so a request larger than any backend's
 capacity is still dispatched (the engine then rejects or queues it, as without the queue).
@@ -22,13 +24,15 @@ and commits it only when that backend is not full.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from hetroute.admission.config import ClassConfig, FullConfig
 from hetroute.policies.backend_model import BackendModels
 from hetroute.routing.ledger import Ticket
 from hetroute.routing.router import Router
-from hetroute.types import BoolArray, ClusterSnapshot, FloatArray, IntArray, RequestFeatures
+from hetroute.types import BoolArray, ClusterSnapshot, EngineMetrics, FloatArray, IntArray, RequestFeatures
 
 
 def full_mask(
@@ -38,39 +42,92 @@ def full_mask(
     idx: IntArray,
     features: RequestFeatures,
     fill_frac: float = 1.0,
+    seqs_limit: FloatArray | None = None,
 ) -> BoolArray:
     """For each backend in ``idx``: True when it is full for ``features`` (module docstring), with
-    every high-water mark scaled by ``fill_frac`` (the request's class share)."""
+    every high-water mark scaled by ``fill_frac`` (the request's class share). ``seqs_limit``
+    (aligned with ``idx``) replaces the models' ``max_num_seqs`` (:class:`ObservedSeqs`)."""
     busy = snapshot.requests_in_flight[idx] > 0
-    need = float(features.input_tokens + features.predicted_output_tokens)
+    out_frac = config.kv_output_frac
+    need = features.input_tokens + out_frac * features.predicted_output_tokens
+    held = snapshot.input_tokens_in_flight[idx] + snapshot.generated_tokens_in_flight[idx]
+    if out_frac > 0.0:
+        held = held + out_frac * snapshot.remaining_predicted_tokens[idx]
     cap = models.capacity_tokens(snapshot, idx)
-    kv = snapshot.kv_tokens_in_flight[idx] + need > fill_frac * config.kv_high_water_frac * cap
-    seqs = (
-        snapshot.requests_in_flight[idx] >= fill_frac * config.seqs_high_water_frac * models.max_num_seqs[idx]
-    )
+    kv = held + need > fill_frac * config.kv_high_water_frac * cap
+    max_seqs = models.max_num_seqs[idx] if seqs_limit is None else seqs_limit
+    seqs = snapshot.requests_in_flight[idx] >= fill_frac * config.seqs_high_water_frac * max_seqs
     full: BoolArray = kv | seqs
     if config.max_drain_s is not None:
         full = full | (snapshot.workload[idx] >= fill_frac * config.max_drain_s)
     # Engine queue: on every backend with an explicit limit; by default (None) with limit 0 on the
-    # backends whose max_num_seqs is unknown (no config, profile or prior), where the sequence test
-    # cannot see that the engine is queueing.
+    # backends whose sequence limit is unknown (no config, profile or prior, nothing observed yet),
+    # where the sequence test cannot see that the engine is queueing.
     if config.engine_waiting_max is not None:
         limit, where = config.engine_waiting_max, np.ones(idx.size, dtype=np.bool_)
     else:
-        limit, where = 0, ~np.isfinite(models.max_num_seqs[idx])
+        limit, where = 0, ~np.isfinite(max_seqs)
     if where.any():
+        in_flight = snapshot.requests_in_flight[idx].tolist()
         waiting = np.array(
             [
-                (m := snapshot.metrics[i]) is not None
-                and m.num_requests_waiting is not None
-                and m.num_requests_waiting > limit
-                for i in idx.tolist()
+                _engine_queued(snapshot.metrics[i], n, limit)
+                for i, n in zip(idx.tolist(), in_flight, strict=True)
             ],
             dtype=np.bool_,
         )
         full = full | (waiting & where)
     out: BoolArray = busy & full
     return out
+
+
+def _engine_queued(metrics: EngineMetrics | None, in_flight: float, limit: int) -> bool:
+    """The engine-queue test of one backend: its last scrape reported more than ``limit`` waiting
+    requests, and the router's in-flight count now still exceeds what the engine was running then
+    by more than ``limit``. Requests that finished since the scrape let the engine start waiting
+    ones, so the backend counts as full again only while the estimated queue
+    ``in_flight(now) − running(t_scrape)`` is beyond the limit, not for a whole scrape interval
+    (which left the batch draining until the next scrape). Without a running count: the scrape
+    alone."""
+    if metrics is None or metrics.num_requests_waiting is None or metrics.num_requests_waiting <= limit:
+        return False
+    running = metrics.num_requests_running
+    return running is None or in_flight - running > limit
+
+
+class ObservedSeqs:
+    """Each backend's sequence limit as its engine shows it, for backends whose ``max_num_seqs`` no
+    config, profile or prior gives.
+
+    An engine that reports waiting requests at a scrape could not start them: the requests it was
+    running then are its limit for now (``max_num_seqs``, or fewer when its KV cache was the bound).
+    The limit used is the largest such running count seen, plus one, so that a limit first seen
+    while the cache was the bound can still grow (by one request per scrape that shows a queue).
+    Keyed by backend name; a scrape is read once (by its ``scraped_at_s``)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, float] = {}
+        self._read_at: dict[str, float] = {}
+
+    def limits(
+        self, router: Router, models: BackendModels, snapshot: ClusterSnapshot, idx: IntArray
+    ) -> FloatArray:
+        """Per backend of ``idx``: the static ``max_num_seqs`` where known, else the observed limit
+        (∞ while no scrape has shown a queue)."""
+        static = models.max_num_seqs[idx]
+        out: FloatArray = static.copy()
+        for k, i in enumerate(idx.tolist()):
+            if np.isfinite(static[k]):
+                continue
+            name = router.backends[i].name
+            m = snapshot.metrics[i]
+            if m is not None and self._read_at.get(name) != m.scraped_at_s:
+                self._read_at[name] = m.scraped_at_s
+                if m.num_requests_waiting and m.num_requests_running:
+                    self._seen[name] = max(self._seen.get(name, 0.0), m.num_requests_running)
+            seen = self._seen.get(name)
+            out[k] = math.inf if seen is None else seen + 1.0
+        return out
 
 
 class Placer:
@@ -80,6 +137,7 @@ class Placer:
         self.router = router
         self.config = config
         self.models = models if models is not None else BackendModels.from_specs(router.backends)
+        self.observed_seqs = ObservedSeqs()
 
     def place(self, features: RequestFeatures, waiting: int, klass: ClassConfig) -> Ticket | None:
         """A dispatched ticket, or None when the request must wait.
@@ -107,7 +165,8 @@ class Placer:
         decision, snap = router.decide(features)
         cands = [i for i in router.serving(features.model, features.api) if snap.available[i]]
         idx: IntArray = np.array(cands, dtype=np.int64)
-        full = full_mask(self.config, self.models, snap, idx, features, klass.fill_frac)
+        limits = self.observed_seqs.limits(router, self.models, snap, idx)
+        full = full_mask(self.config, self.models, snap, idx, features, klass.fill_frac, limits)
         if full.all():
             return None
         if klass.placement == "first_token":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 
 from hetroute.admission.config import parse_admission
 from hetroute.commands import simulate as simulate_cmd
+from hetroute.learning.settings import LearningConfig
 from hetroute.sim.cluster_file import Fleet, build_fleet
 from hetroute.sim.scenarios import get_scenario
 from hetroute.sim.workload import generate_workload
@@ -74,6 +76,35 @@ def test_saturation_queue_keeps_engines_full_and_drains_to_zero(paper_a: Fleet) 
     assert queued.completed == len(work) and queued.ledger_zero and queued.extra["queue_left"] == 0
     assert queued.queue_wait_s is not None and queued.queue_wait_s.max() > 0  # requests did wait
     assert queued.throughput_tokens_per_s >= 0.9 * pushed.throughput_tokens_per_s
+
+
+def test_without_a_profile_the_queue_learns_each_engines_limit_and_keeps_it_full() -> None:
+    """Nothing configured (no GPU, profile, max_num_seqs or KV capacity), learning on: the queue's
+    KV test reads the engines' capacity from their metrics, the observed sequence limit stands in
+    for max_num_seqs, and the fleet gets far more done than with every request pushed at t = 0."""
+    fleet = build_fleet(get_scenario("paper-b").cluster())
+    bare = replace(
+        fleet,
+        backends=tuple(
+            replace(
+                b,
+                gpu=None,
+                tp=None,
+                profile=None,
+                profile_path=None,
+                kv_capacity_tokens=None,
+                max_num_seqs=None,
+            )
+            for b in fleet.backends
+        ),
+    )
+    work = generate_workload("sharegpt", 3000, math.inf, 5, 2048)
+    unbounded = {"classes": [{"name": "default", "max_queue_len": 100000, "max_queue_wait_s": 1e6}]}
+    adm = SimAdmission(parse_admission(unbounded))
+    queued = run_simulation(bare, work, "default", seed=5, admission=adm, learning=LearningConfig())
+    pushed = run_simulation(bare, work, "default", seed=5, learning=LearningConfig())
+    assert queued.completed == len(work) and queued.ledger_zero and queued.extra["queue_left"] == 0
+    assert queued.throughput_tokens_per_s >= 1.3 * pushed.throughput_tokens_per_s
 
 
 def test_simulate_command_runs_the_queue_from_a_router_config(
