@@ -1,15 +1,19 @@
 """Admission control through the real gateway: ``hetroute serve`` in front of ``hetroute emulate`` servers.
 
 Usage: ``python benchmarks/admission_gateway.py [--requests 400] [--speedup 2] [--overload-s 40]``.
-Writes ``benchmarks/results/admission_gateway.{json,md}``.
+Writes ``benchmarks/results/<--name, default admission_gateway>.{json,md}``.
 
 paper-a only (two emulated vLLM servers: Llama-3-8B on V100-SXM2-32GB at TP4 and TP1; fresh
 processes per run; the process set-up is ``policies_gateway.py``'s). Runs:
 
 - **rate ∞**: ``--requests`` streamed ShareGPT-like requests at t = 0 (``max_tokens`` = the true
   length, ``ignore_eos``), the default policy with the queue on and off, and the paper's scheduler
-  (``workload_minmax``) without it; throughput against the simulator's capacity bound for the same
-  requests (Σ standalone, ``single`` policy);
+  (``workload_minmax``) without it; then the default with and without the queue with nothing known
+  (the emulators serve ``house-llm``, which no catalog entry matches, and the config names no GPU or
+  TP: the neutral default, learning on); throughput against the simulator's capacity bound for the
+  same requests (Σ standalone, ``single`` policy). The "known" runs name GPU and TP, so the router
+  starts from the catalog's roofline prior, which at ``--speedup`` k is k× too slow until learning
+  corrects it;
 - **1.5× overload** for ``--overload-s`` model seconds with two classes (20 % interactive, header
   ``x-hetroute-priority``) and two tenants (``x-hetroute-tenant`` a/b, weights 3:1), queue on and
   off: interactive p99 TTFT against an unloaded run (0.3×), batch max wait, tenant shares of
@@ -26,6 +30,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import platform
 import sys
 import tempfile
@@ -59,13 +64,23 @@ CLASSES = [
 ]
 
 
+UNKNOWN_MODEL = "house-llm"
+"""The served-model name of the "nothing known" runs: no catalog entry matches it."""
+
+
 async def one(
-    session: aiohttp.ClientSession, url: str, req: SimRequest, headers: dict[str, str], start: float, k: float
+    session: aiohttp.ClientSession,
+    url: str,
+    req: SimRequest,
+    headers: dict[str, str],
+    start: float,
+    k: float,
+    model: str = MODEL,
 ) -> dict[str, Any]:
     await asyncio.sleep(max(0.0, start + req.arrival_s / k - time.monotonic()))
     sent = time.monotonic()
     body = {
-        "model": MODEL,
+        "model": model,
         "prompt": filler_prompt(req.input_tokens, req.request_id),  # no shared prefix
         "max_tokens": req.output_tokens,
         "ignore_eos": True,
@@ -100,21 +115,23 @@ async def _spawn(*args: str) -> asyncio.subprocess.Process:
 
 
 async def _start_stack(
-    procs: list[asyncio.subprocess.Process], policy: str, admission: dict[str, Any], k: float
+    procs: list[asyncio.subprocess.Process], policy: str, admission: dict[str, Any], k: float, known: bool
 ) -> tuple[list[dict[str, Any]], int]:
-    """Start the two emulators and the gateway (appended to ``procs``); (backends, gateway port)."""
+    """Start the two emulators and the gateway (appended to ``procs``); (backends, gateway port).
+    ``known``: the config names each backend's GPU and TP (the catalog's roofline prior); otherwise
+    the emulators serve :data:`UNKNOWN_MODEL` and the config names nothing (the neutral default)."""
     backends: list[dict[str, Any]] = []
     for name, tp in BACKENDS:
         port = free_port()
         gpu = "V100-SXM2-32GB"
+        served = [] if known else ["--served-model-name", UNKNOWN_MODEL]
         procs.append(
             await _spawn("emulate", "--gpu", gpu, "--model", MODEL, "--tp", str(tp), "--port", str(port),
-                         "--speedup", str(k), "--seed", "1")
+                         "--speedup", str(k), "--seed", "1", *served)
         )  # fmt: skip
-        backends.append(
-            {"name": name, "url": f"http://127.0.0.1:{port}", "engine": "vllm", "models": [MODEL],
-             "gpu": gpu, "tp": tp}
-        )  # fmt: skip
+        entry: dict[str, Any] = {"name": name, "url": f"http://127.0.0.1:{port}", "engine": "vllm"}
+        entry.update({"models": [MODEL], "gpu": gpu, "tp": tp} if known else {"models": [UNKNOWN_MODEL]})
+        backends.append(entry)
     gw_port = free_port()
     config = {
         "seed": 1,
@@ -138,12 +155,14 @@ async def run(
     work: Sequence[SimRequest],
     heads: Sequence[dict[str, str]],
     k: float,
+    known: bool = True,
 ) -> dict[str, Any]:
     """Replay ``work`` (with ``heads``) through fresh processes; per-request results and the
     gateway's ledger and queue after the run."""
     procs: list[asyncio.subprocess.Process] = []
+    model = MODEL if known else UNKNOWN_MODEL
     try:
-        backends, gw_port = await _start_stack(procs, policy, admission, k)
+        backends, gw_port = await _start_stack(procs, policy, admission, k, known)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             for b in backends:
                 await wait_ready(session, f"{b['url']}/health")
@@ -152,7 +171,7 @@ async def run(
             start = time.monotonic()
             url = f"{base}/v1/completions"
             out = await asyncio.gather(
-                *(one(session, url, r, h, start, k) for r, h in zip(work, heads, strict=True))
+                *(one(session, url, r, h, start, k, model) for r, h in zip(work, heads, strict=True))
             )
             auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
             async with session.get(f"{base}/admin/backends", headers=auth) as r:
@@ -239,19 +258,24 @@ def _inf_rows(args: argparse.Namespace, full: dict[str, float]) -> list[dict[str
     work = generate_workload("sharegpt", args.requests, math.inf, args.seed, 2048, send_max_tokens=True)
     bound = sim_bound(work)  # the bound of exactly these requests
     none: list[dict[str, str]] = [{} for _ in work]
+    # one class, unbounded (as in the simulator's rate-∞ runs): a 429 would take requests out of the
+    # throughput instead of measuring it
+    queue = {"classes": [{"name": "default", "max_queue_len": 10**6, "max_queue_wait_s": 1e6}], "full": full}
     runs = [
-        ("default + queue", "default", {"full": full}),
-        ("default", "default", OFF),
-        ("paper (workload_minmax)", "workload_minmax", OFF),
+        ("default + queue", "default", queue, True),
+        ("default", "default", OFF, True),
+        ("paper (workload_minmax)", "workload_minmax", OFF, True),
+        ("default + queue, nothing known", "default", queue, False),
+        ("default, nothing known", "default", OFF, False),
     ]
     rows = []
-    for label, policy, adm in runs:
-        row = summarise(asyncio.run(run(label, policy, adm, work, none, args.speedup)), work, none)
+    for label, policy, adm, known in runs:
+        row = summarise(asyncio.run(run(label, policy, adm, work, none, args.speedup, known)), work, none)
         row.update(kind="inf", bound_tokens_s=bound, pct_bound=100 * row["throughput_tokens_s"] / bound)
         rows.append(row)
         pct = row["pct_bound"]
         print(
-            f"inf {label:24s} {row['throughput_tokens_s']:8.0f} tok/s ({pct:.1f} % of {bound:.0f})",
+            f"inf {label:32s} {row['throughput_tokens_s']:8.0f} tok/s ({pct:.1f} % of {bound:.0f})",
             flush=True,
         )
     return rows
@@ -293,13 +317,14 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], elapsed_s: floa
     doc = {
         "benchmark": "admission_gateway",
         "args": {k: str(v) for k, v in vars(args).items()},
+        "load_average": os.getloadavg(),
         "elapsed_s": elapsed_s,
         "machine": platform.platform(),
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(doc, indent=1, default=str).replace("NaN", "null")
-    (args.out / "admission_gateway.json").write_text(text + "\n", encoding="utf-8")
+    (args.out / f"{args.name}.json").write_text(text + "\n", encoding="utf-8")
     lines = [
         "# Admission control through the gateway (paper-a, emulators)",
         "",
@@ -319,7 +344,7 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], elapsed_s: floa
             f"{r['queue_length_after']:.0f} |"
         )
     md = "\n".join(lines) + "\n"
-    (args.out / "admission_gateway.md").write_text(md, encoding="utf-8")
+    (args.out / f"{args.name}.md").write_text(md, encoding="utf-8")
     return md
 
 
@@ -334,6 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--skip-overload", action="store_true")
     ap.add_argument("--skip-inf", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--name", default="admission_gateway", help="results file stem (.json and .md)")
     args = ap.parse_args(argv)
     full = {k: float(v) for k, v in (kv.split("=") for kv in args.full.split(",") if kv)}
     started = time.perf_counter()

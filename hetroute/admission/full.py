@@ -81,6 +81,11 @@ def full_mask(
     return out
 
 
+KV_BOUND_FRAC = 0.9
+"""KV usage at or above which an engine's waiting requests are put down to its KV cache, not to
+its sequence limit (vLLM admits while its free blocks allow, so a cache-bound queue shows ~90-100 %)."""
+
+
 def _engine_queued(metrics: EngineMetrics | None, in_flight: float, limit: int) -> bool:
     """The engine-queue test of one backend: its last scrape reported more than ``limit`` waiting
     requests, and the router's in-flight count now still exceeds what the engine was running then
@@ -99,11 +104,12 @@ class ObservedSeqs:
     """Each backend's sequence limit as its engine shows it, for backends whose ``max_num_seqs`` no
     config, profile or prior gives.
 
-    An engine that reports waiting requests at a scrape could not start them: the requests it was
-    running then are its limit for now (``max_num_seqs``, or fewer when its KV cache was the bound).
-    The limit used is the largest such running count seen, plus one, so that a limit first seen
-    while the cache was the bound can still grow (by one request per scrape that shows a queue).
-    Keyed by backend name; a scrape is read once (by its ``scraped_at_s``)."""
+    An engine that reports waiting requests at a scrape could not start them. If its KV cache was not
+    the bound then (usage below :data:`KV_BOUND_FRAC`, or not reported), the requests it was running
+    are its sequence limit (``max_num_seqs``); when the cache was the bound the KV test is the one
+    that applies, and the scrape teaches nothing here (a limit learned then would lock the backend
+    at the batch a few long prompts allowed). The limit used is the largest running count seen so,
+    plus one. Keyed by backend name; a scrape is read once (by its ``scraped_at_s``)."""
 
     def __init__(self) -> None:
         self._seen: dict[str, float] = {}
@@ -123,7 +129,8 @@ class ObservedSeqs:
             m = snapshot.metrics[i]
             if m is not None and self._read_at.get(name) != m.scraped_at_s:
                 self._read_at[name] = m.scraped_at_s
-                if m.num_requests_waiting and m.num_requests_running:
+                kv_bound = m.kv_usage_frac is not None and m.kv_usage_frac >= KV_BOUND_FRAC
+                if m.num_requests_waiting and m.num_requests_running and not kv_bound:
                     self._seen[name] = max(self._seen.get(name, 0.0), m.num_requests_running)
             seen = self._seen.get(name)
             out[k] = math.inf if seen is None else seen + 1.0

@@ -30,10 +30,13 @@ class Scrapes:
     def get(self, i: int) -> EngineMetrics | None:
         return self.latest.get(i)
 
-    def publish(self, i: int, running: float, waiting: float) -> None:
+    def publish(self, i: int, running: float, waiting: float, kv_usage: float | None = None) -> None:
         self.at_s += 1.0
         self.latest[i] = EngineMetrics(
-            scraped_at_s=self.at_s, num_requests_running=running, num_requests_waiting=waiting
+            scraped_at_s=self.at_s,
+            num_requests_running=running,
+            num_requests_waiting=waiting,
+            kv_usage_frac=kv_usage,
         )
 
 
@@ -100,6 +103,21 @@ def test_the_observed_limit_grows_by_one_per_scrape_that_shows_a_queue() -> None
     assert placer.observed_seqs.limits(router, placer.models, router.snapshot(), idx).tolist() == [5.0]
     for t in tickets:
         router.release(t)
+
+
+def test_a_queue_behind_a_full_kv_cache_teaches_no_sequence_limit() -> None:
+    router, placer, scrapes = make()
+    tickets = place_all(placer, 6)
+    scrapes.publish(0, running=4.0, waiting=2.0, kv_usage=0.97)  # the cache was the bound
+    idx = np.array(router.serving("m", "openai"), dtype=np.int64)
+    assert placer.observed_seqs.limits(router, placer.models, router.snapshot(), idx).tolist() == [np.inf]
+    assert placer.place(feats(6), 1, CLASS) is None  # the engine-queue test still holds it back
+    router.release(tickets.pop())
+    router.release(tickets.pop())
+    tickets += place_all(placer, 1, start=7)  # 4 in flight, as many as the engine ran: room again
+    for t in tickets:
+        router.release(t)
+    assert router.ledger.is_zero()
 
 
 def test_a_configured_max_num_seqs_is_never_replaced_by_an_observation() -> None:
