@@ -138,7 +138,8 @@ async def _start_stack(
         "admin_token": ADMIN_TOKEN,
         "policy": {"type": policy},
         "backends": backends,
-        "server": {"host": "127.0.0.1", "port": gw_port, "access_log": False},
+        # every rate-∞ request is one client connection (and, pushed, one to an engine)
+        "server": {"host": "127.0.0.1", "port": gw_port, "access_log": False, "max_connections": 65536},
         "scrape": {"interval_s": max(0.05, 1.0 / k)},
         "admission": admission,
     }
@@ -268,6 +269,9 @@ def _inf_rows(args: argparse.Namespace, full: dict[str, float]) -> list[dict[str
         ("default + queue, nothing known", "default", queue, False),
         ("default, nothing known", "default", OFF, False),
     ]
+    if args.inf_runs:
+        wanted = set(args.inf_runs.split(";"))
+        runs = [r for r in runs if r[0] in wanted]
     rows = []
     for label, policy, adm, known in runs:
         row = summarise(asyncio.run(run(label, policy, adm, work, none, args.speedup, known)), work, none)
@@ -358,6 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--full", default="", help="admission.full overrides: seqs_high_water_frac=1.1,...")
     ap.add_argument("--skip-overload", action="store_true")
     ap.add_argument("--skip-inf", action="store_true")
+    ap.add_argument("--inf-runs", default="", help="only these rate-∞ runs (labels, separated by ;)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--name", default="admission_gateway", help="results file stem (.json and .md)")
     args = ap.parse_args(argv)
