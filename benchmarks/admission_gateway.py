@@ -46,7 +46,6 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from policies_gateway import (  # noqa: E402
     ADMIN_TOKEN,
-    BACKENDS,
     HETROUTE,
     MODEL,
     free_port,
@@ -76,6 +75,7 @@ async def one(
     start: float,
     k: float,
     model: str = MODEL,
+    stream: bool = True,
 ) -> dict[str, Any]:
     await asyncio.sleep(max(0.0, start + req.arrival_s / k - time.monotonic()))
     sent = time.monotonic()
@@ -84,7 +84,7 @@ async def one(
         "prompt": filler_prompt(req.input_tokens, req.request_id),  # no shared prefix
         "max_tokens": req.output_tokens,
         "ignore_eos": True,
-        "stream": True,
+        "stream": stream,
     }
     first = math.nan
     try:
@@ -101,7 +101,7 @@ async def one(
                     "wait_s": (time.monotonic() - sent) * k,
                 }
             async for _ in r.content.iter_any():
-                if math.isnan(first):
+                if math.isnan(first) and stream:
                     first = time.monotonic()
     except (TimeoutError, aiohttp.ClientError) as exc:
         return {"status": -1, "error": type(exc).__name__}
@@ -115,22 +115,28 @@ async def _spawn(*args: str) -> asyncio.subprocess.Process:
 
 
 async def _start_stack(
-    procs: list[asyncio.subprocess.Process], policy: str, admission: dict[str, Any], k: float, known: bool
+    procs: list[asyncio.subprocess.Process],
+    policy: str,
+    admission: dict[str, Any],
+    k: float,
+    known: bool,
+    scenario: str = "paper-a",
 ) -> tuple[list[dict[str, Any]], int]:
-    """Start the two emulators and the gateway (appended to ``procs``); (backends, gateway port).
-    ``known``: the config names each backend's GPU and TP (the catalog's roofline prior); otherwise
-    the emulators serve :data:`UNKNOWN_MODEL` and the config names nothing (the neutral default)."""
+    """Start one emulator per backend of ``scenario`` and the gateway (appended to ``procs``);
+    (backends, gateway port). ``known``: the config names each backend's GPU and TP (the catalog's
+    roofline prior); otherwise the emulators serve :data:`UNKNOWN_MODEL` and the config names
+    nothing (the neutral default)."""
     backends: list[dict[str, Any]] = []
-    for name, tp in BACKENDS:
+    for b in fleet_of(scenario).backends:
         port = free_port()
-        gpu = "V100-SXM2-32GB"
+        model = b.models[0]
         served = [] if known else ["--served-model-name", UNKNOWN_MODEL]
         procs.append(
-            await _spawn("emulate", "--gpu", gpu, "--model", MODEL, "--tp", str(tp), "--port", str(port),
-                         "--speedup", str(k), "--seed", "1", *served)
+            await _spawn("emulate", "--gpu", str(b.gpu), "--model", model, "--tp", str(b.tp), "--port",
+                         str(port), "--speedup", str(k), "--seed", "1", *served)
         )  # fmt: skip
-        entry: dict[str, Any] = {"name": name, "url": f"http://127.0.0.1:{port}", "engine": "vllm"}
-        entry.update({"models": [MODEL], "gpu": gpu, "tp": tp} if known else {"models": [UNKNOWN_MODEL]})
+        entry: dict[str, Any] = {"name": b.name, "url": f"http://127.0.0.1:{port}", "engine": "vllm"}
+        entry.update({"models": [model], "gpu": b.gpu, "tp": b.tp} if known else {"models": [UNKNOWN_MODEL]})
         backends.append(entry)
     gw_port = free_port()
     config = {
@@ -157,13 +163,15 @@ async def run(
     heads: Sequence[dict[str, str]],
     k: float,
     known: bool = True,
+    scenario: str = "paper-a",
+    stream: bool = True,
 ) -> dict[str, Any]:
     """Replay ``work`` (with ``heads``) through fresh processes; per-request results and the
     gateway's ledger and queue after the run."""
     procs: list[asyncio.subprocess.Process] = []
-    model = MODEL if known else UNKNOWN_MODEL
+    model = fleet_of(scenario).backends[0].models[0] if known else UNKNOWN_MODEL
     try:
-        backends, gw_port = await _start_stack(procs, policy, admission, k, known)
+        backends, gw_port = await _start_stack(procs, policy, admission, k, known, scenario)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             for b in backends:
                 await wait_ready(session, f"{b['url']}/health")
@@ -172,7 +180,7 @@ async def run(
             start = time.monotonic()
             url = f"{base}/v1/completions"
             out = await asyncio.gather(
-                *(one(session, url, r, h, start, k, model) for r, h in zip(work, heads, strict=True))
+                *(one(session, url, r, h, start, k, model, stream) for r, h in zip(work, heads, strict=True))
             )
             auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
             async with session.get(f"{base}/admin/backends", headers=auth) as r:
@@ -190,13 +198,20 @@ async def run(
         await stop_processes(procs)
 
 
-def sim_bound(work: Sequence[SimRequest]) -> float:
-    """Σ standalone throughput of each paper-a instance on these requests (the simulator's bound)."""
+def fleet_of(scenario: str) -> Any:
+    """The simulator's fleet of ``scenario`` (the emulators' GPUs, models and TPs)."""
     from hetroute.sim.cluster_file import build_fleet
     from hetroute.sim.scenarios import get_scenario
+
+    return build_fleet(get_scenario(scenario).cluster())
+
+
+def sim_bound(work: Sequence[SimRequest], scenario: str = "paper-a") -> float:
+    """Σ standalone throughput of each instance of ``scenario`` on these requests (the simulator's
+    bound)."""
     from hetroute.simulation.simulator import run_simulation
 
-    fleet = build_fleet(get_scenario("paper-a").cluster())
+    fleet = fleet_of(scenario)
     return sum(  # ``work`` is at rate ∞ (every arrival at 0)
         run_simulation(fleet, work, "single", {"backend": b.name}, seed=1).throughput_tokens_per_s
         for b in fleet.backends
@@ -257,7 +272,7 @@ OFF: dict[str, Any] = {"enabled": False}
 
 def _inf_rows(args: argparse.Namespace, full: dict[str, float]) -> list[dict[str, Any]]:
     work = generate_workload("sharegpt", args.requests, math.inf, args.seed, 2048, send_max_tokens=True)
-    bound = sim_bound(work)  # the bound of exactly these requests
+    bound = sim_bound(work, args.scenario)  # the bound of exactly these requests
     none: list[dict[str, str]] = [{} for _ in work]
     # one class, unbounded (as in the simulator's rate-∞ runs): a 429 would take requests out of the
     # throughput instead of measuring it
@@ -274,7 +289,10 @@ def _inf_rows(args: argparse.Namespace, full: dict[str, float]) -> list[dict[str
         runs = [r for r in runs if r[0] in wanted]
     rows = []
     for label, policy, adm, known in runs:
-        row = summarise(asyncio.run(run(label, policy, adm, work, none, args.speedup, known)), work, none)
+        result = asyncio.run(
+            run(label, policy, adm, work, none, args.speedup, known, args.scenario, args.stream)
+        )
+        row = summarise(result, work, none)
         row.update(kind="inf", bound_tokens_s=bound, pct_bound=100 * row["throughput_tokens_s"] / bound)
         rows.append(row)
         pct = row["pct_bound"]
@@ -330,9 +348,10 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], elapsed_s: floa
     text = json.dumps(doc, indent=1, default=str).replace("NaN", "null")
     (args.out / f"{args.name}.json").write_text(text + "\n", encoding="utf-8")
     lines = [
-        "# Admission control through the gateway (paper-a, emulators)",
+        f"# Admission control through the gateway ({args.scenario} at rate ∞, paper-a in overload)",
         "",
-        f"rate ∞: {args.requests} requests, speedup {args.speedup:g}; overload: 1.5× capacity for "
+        f"rate ∞: {args.requests} {'streamed' if args.stream else 'non-streamed'} requests, speedup "
+        f"{args.speedup:g}; overload: 1.5× capacity for "
         f"{args.overload_s:g} model s, speedup {args.overload_speedup:g}; {elapsed_s:.0f} s wall.",
         "",
         "| run | policy | tok/s | % bound | int. p99 TTFT s | batch max wait s | share a (0.75) | 429 "
@@ -362,6 +381,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--full", default="", help="admission.full overrides: seqs_high_water_frac=1.1,...")
     ap.add_argument("--skip-overload", action="store_true")
     ap.add_argument("--skip-inf", action="store_true")
+    ap.add_argument("--scenario", default="paper-a", help="rate-∞ runs: paper-a, paper-b or mixed")
+    ap.add_argument(
+        "--no-stream", dest="stream", action="store_false", help="rate-∞ runs: non-streaming requests"
+    )
     ap.add_argument("--inf-runs", default="", help="only these rate-∞ runs (labels, separated by ;)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--name", default="admission_gateway", help="results file stem (.json and .md)")
