@@ -289,18 +289,55 @@ def _inf_rows(args: argparse.Namespace, full: dict[str, float]) -> list[dict[str
         runs = [r for r in runs if r[0] in wanted]
     rows = []
     for label, policy, adm, known in runs:
-        result = asyncio.run(
-            run(label, policy, adm, work, none, args.speedup, known, args.scenario, args.stream)
-        )
-        row = summarise(result, work, none)
+        sim = sim_run(work, args.scenario, policy, adm, known)
+        if args.sim_only:
+            row: dict[str, Any] = {"label": label, "throughput_tokens_s": math.nan}
+        else:
+            result = asyncio.run(
+                run(label, policy, adm, work, none, args.speedup, known, args.scenario, args.stream)
+            )
+            row = summarise(result, work, none)
         row.update(kind="inf", bound_tokens_s=bound, pct_bound=100 * row["throughput_tokens_s"] / bound)
+        row.update(sim_tokens_s=sim, sim_pct_bound=100 * sim / bound)
         rows.append(row)
-        pct = row["pct_bound"]
         print(
-            f"inf {label:32s} {row['throughput_tokens_s']:8.0f} tok/s ({pct:.1f} % of {bound:.0f})",
+            f"inf {label:32s} {row['throughput_tokens_s']:8.0f} tok/s ({row['pct_bound']:.1f} % of "
+            f"{bound:.0f}; simulator {row['sim_pct_bound']:.1f} %)",
             flush=True,
         )
     return rows
+
+
+def sim_run(
+    work: Sequence[SimRequest], scenario: str, policy: str, admission: dict[str, Any], known: bool
+) -> float:
+    """The simulator's throughput for the same requests and the same router set-up: the fleet with
+    its GPUs and TPs named (``known``) or stripped of them, learning on (the gateway's default)."""
+    from dataclasses import replace
+
+    from hetroute.admission.config import parse_admission
+    from hetroute.learning.settings import LearningConfig
+    from hetroute.simulation.admission_run import SimAdmission
+    from hetroute.simulation.simulator import run_simulation
+
+    fleet = fleet_of(scenario)
+    if not known:
+        bare = tuple(
+            replace(
+                b,
+                gpu=None,
+                tp=None,
+                profile=None,
+                profile_path=None,
+                kv_capacity_tokens=None,
+                max_num_seqs=None,
+            )
+            for b in fleet.backends
+        )
+        fleet = replace(fleet, backends=bare)
+    adm = SimAdmission(parse_admission(admission)) if admission.get("enabled", True) else None
+    r = run_simulation(fleet, work, policy, seed=1, admission=adm, learning=LearningConfig())
+    return float(r.throughput_tokens_per_s)
 
 
 def _overload_rows(args: argparse.Namespace, full: dict[str, float]) -> list[dict[str, Any]]:
@@ -354,17 +391,19 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], elapsed_s: floa
         f"{args.speedup:g}; overload: 1.5× capacity for "
         f"{args.overload_s:g} model s, speedup {args.overload_speedup:g}; {elapsed_s:.0f} s wall.",
         "",
-        "| run | policy | tok/s | % bound | int. p99 TTFT s | batch max wait s | share a (0.75) | 429 "
-        "| done/sent | other | ledger, queue after |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | policy | tok/s | % bound | simulator % bound | int. p99 TTFT s | batch max wait s "
+        "| share a (0.75) | 429 | done/sent | other | ledger, queue after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        g = {k: r.get(k, math.nan) for k in ("interactive_ttft_p99_s", "batch_max_wait_s", "tenant_a_share")}
+        g.update({k: r.get(k, "-") for k in ("shed_429", "completed", "sent", "other", "in_flight_after")})
         lines.append(
             f"| {r['kind']} | {r['label']} | {r['throughput_tokens_s']:.0f} | "
-            f"{r.get('pct_bound', math.nan):.1f} | "
-            f"{r['interactive_ttft_p99_s']:.2f} | {r['batch_max_wait_s']:.1f} | {r['tenant_a_share']:.3f} | "
-            f"{r['shed_429']} | {r['completed']}/{r['sent']} | {r['other']} | {r['in_flight_after']}, "
-            f"{r['queue_length_after']:.0f} |"
+            f"{r.get('pct_bound', math.nan):.1f} | {r.get('sim_pct_bound', math.nan):.1f} | "
+            f"{g['interactive_ttft_p99_s']:.2f} | {g['batch_max_wait_s']:.1f} | {g['tenant_a_share']:.3f} | "
+            f"{g['shed_429']} | {g['completed']}/{g['sent']} | {g['other']} | {g['in_flight_after']}, "
+            f"{r.get('queue_length_after', math.nan):.0f} |"
         )
     md = "\n".join(lines) + "\n"
     (args.out / f"{args.name}.md").write_text(md, encoding="utf-8")
@@ -384,6 +423,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--scenario", default="paper-a", help="rate-∞ runs: paper-a, paper-b or mixed")
     ap.add_argument(
         "--no-stream", dest="stream", action="store_false", help="rate-∞ runs: non-streaming requests"
+    )
+    ap.add_argument(
+        "--sim-only", action="store_true", help="rate-∞ runs: only the simulator's figures (no processes)"
     )
     ap.add_argument("--inf-runs", default="", help="only these rate-∞ runs (labels, separated by ;)")
     ap.add_argument("--out", type=Path, default=RESULTS)
