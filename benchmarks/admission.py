@@ -39,7 +39,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -78,19 +78,11 @@ class Task:
 
 
 def _fleet(scenario: str, profile: bool) -> Any:
-    from hetroute.sim.cluster_file import build_fleet
+    from hetroute.sim.cluster_file import blind_fleet, build_fleet
     from hetroute.sim.scenarios import get_scenario
 
     fleet = build_fleet(get_scenario(scenario).cluster())
-    if profile:
-        return fleet
-    bare = tuple(
-        replace(
-            b, gpu=None, tp=None, profile=None, profile_path=None, kv_capacity_tokens=None, max_num_seqs=None
-        )
-        for b in fleet.backends
-    )
-    return replace(fleet, backends=bare)
+    return fleet if profile else blind_fleet(fleet, keep_kv_capacity=False)
 
 
 def _admission(task: Task, workload: Sequence[Any]) -> Any:

@@ -313,28 +313,13 @@ def sim_run(
 ) -> float:
     """The simulator's throughput for the same requests and the same router set-up: the fleet with
     its GPUs and TPs named (``known``) or stripped of them, learning on (the gateway's default)."""
-    from dataclasses import replace
-
     from hetroute.admission.config import parse_admission
     from hetroute.learning.settings import LearningConfig
+    from hetroute.sim.cluster_file import blind_fleet
     from hetroute.simulation.admission_run import SimAdmission
     from hetroute.simulation.simulator import run_simulation
 
-    fleet = fleet_of(scenario)
-    if not known:
-        bare = tuple(
-            replace(
-                b,
-                gpu=None,
-                tp=None,
-                profile=None,
-                profile_path=None,
-                kv_capacity_tokens=None,
-                max_num_seqs=None,
-            )
-            for b in fleet.backends
-        )
-        fleet = replace(fleet, backends=bare)
+    fleet = fleet_of(scenario) if known else blind_fleet(fleet_of(scenario), keep_kv_capacity=False)
     adm = SimAdmission(parse_admission(admission)) if admission.get("enabled", True) else None
     r = run_simulation(fleet, work, policy, seed=1, admission=adm, learning=LearningConfig())
     return float(r.throughput_tokens_per_s)

@@ -299,12 +299,23 @@ def build_fleet(
     )
 
 
-def blind_fleet(fleet: Fleet) -> Fleet:
+def blind_fleet(fleet: Fleet, keep_kv_capacity: bool = True) -> Fleet:
     """``fleet`` as a router knows it in front of engines serving a house model name with no profile:
-    no GPU/TP labels, no profile, no ``max_num_seqs`` (its policies fall back to the neutral default;
-    KV capacity stays, since engines report it in their metrics). The engines themselves are unchanged."""
+    no GPU/TP labels, no profile, no ``max_num_seqs`` (its policies fall back to the neutral default).
+    A configured KV capacity stays unless ``keep_kv_capacity`` is false (engines report it in their
+    metrics anyway; without it the router knows it only from the first scrape on). The engines
+    themselves are unchanged."""
     blind = tuple(
-        replace(b, gpu=None, tp=None, labels={}, profile=None, profile_path=None, max_num_seqs=None)
+        replace(
+            b,
+            gpu=None,
+            tp=None,
+            labels={},
+            profile=None,
+            profile_path=None,
+            max_num_seqs=None,
+            kv_capacity_tokens=b.kv_capacity_tokens if keep_kv_capacity else None,
+        )
         for b in fleet.backends
     )
     return replace(fleet, backends=blind)

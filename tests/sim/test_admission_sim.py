@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 from hetroute.admission.config import parse_admission
 from hetroute.commands import simulate as simulate_cmd
 from hetroute.learning.settings import LearningConfig
-from hetroute.sim.cluster_file import Fleet, build_fleet
+from hetroute.sim.cluster_file import Fleet, blind_fleet, build_fleet
 from hetroute.sim.scenarios import get_scenario
 from hetroute.sim.workload import generate_workload
 from hetroute.simulation.admission_run import SimAdmission
@@ -82,22 +81,7 @@ def test_without_a_profile_the_queue_learns_each_engines_limit_and_keeps_it_full
     """Nothing configured (no GPU, profile, max_num_seqs or KV capacity), learning on: the queue's
     KV test reads the engines' capacity from their metrics, the observed sequence limit stands in
     for max_num_seqs, and the fleet gets far more done than with every request pushed at t = 0."""
-    fleet = build_fleet(get_scenario("paper-b").cluster())
-    bare = replace(
-        fleet,
-        backends=tuple(
-            replace(
-                b,
-                gpu=None,
-                tp=None,
-                profile=None,
-                profile_path=None,
-                kv_capacity_tokens=None,
-                max_num_seqs=None,
-            )
-            for b in fleet.backends
-        ),
-    )
+    bare = blind_fleet(build_fleet(get_scenario("paper-b").cluster()), keep_kv_capacity=False)
     work = generate_workload("sharegpt", 3000, math.inf, 5, 2048)
     unbounded = {"classes": [{"name": "default", "max_queue_len": 100000, "max_queue_wait_s": 1e6}]}
     adm = SimAdmission(parse_admission(unbounded))
