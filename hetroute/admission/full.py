@@ -109,11 +109,12 @@ class ObservedSeqs:
     are its sequence limit (``max_num_seqs``); when the cache was the bound the KV test is the one
     that applies, and the scrape teaches nothing here (a limit learned then would lock the backend
     at the batch a few long prompts allowed). The limit used is the largest running count seen so,
-    plus one. Keyed by backend name; a scrape is read once (by its ``scraped_at_s``)."""
+    plus one. Keyed by backend name and URL (a backend replaced at the same name starts afresh); a
+    scrape is read once (by its ``scraped_at_s``)."""
 
     def __init__(self) -> None:
-        self._seen: dict[str, float] = {}
-        self._read_at: dict[str, float] = {}
+        self._seen: dict[tuple[str, str], float] = {}
+        self._read_at: dict[tuple[str, str], float] = {}
 
     def limits(
         self, router: Router, models: BackendModels, snapshot: ClusterSnapshot, idx: IntArray
@@ -125,7 +126,8 @@ class ObservedSeqs:
         for k, i in enumerate(idx.tolist()):
             if np.isfinite(static[k]):
                 continue
-            name = router.backends[i].name
+            spec = router.backends[i]
+            name = (spec.name, spec.url)
             m = snapshot.metrics[i]
             if m is not None and self._read_at.get(name) != m.scraped_at_s:
                 self._read_at[name] = m.scraped_at_s

@@ -140,3 +140,19 @@ def test_an_explicit_engine_waiting_max_tolerates_that_many_queued_requests() ->
     for t in tickets:
         router.release(t)
     assert router.ledger.is_zero()
+
+
+def test_a_backend_replaced_at_the_same_name_starts_without_the_old_limit() -> None:
+    router, placer, scrapes = make()
+    tickets = place_all(placer, 4)
+    scrapes.publish(0, running=3.0, waiting=1.0)
+    idx = np.array([0], dtype=np.int64)
+    assert placer.observed_seqs.limits(router, placer.models, router.snapshot(), idx).tolist() == [4.0]
+    for t in tickets:
+        router.release(t)
+    moved = [replace(spec("a"), url="http://127.0.0.1/elsewhere")]  # same name, another engine
+    other = Router(
+        moved, build_policy("default", {}, PolicyContext(tuple(moved))), Ledger(["a"]), ManualClock()
+    )
+    limits = placer.observed_seqs.limits(other, placer.models, other.snapshot(), idx)
+    assert limits.tolist() == [np.inf]
