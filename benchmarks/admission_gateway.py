@@ -374,12 +374,28 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], elapsed_s: floa
     args.out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(doc, indent=1, default=str).replace("NaN", "null")
     (args.out / f"{args.name}.json").write_text(text + "\n", encoding="utf-8")
+    md = markdown(args, rows, elapsed_s)
+    (args.out / f"{args.name}.md").write_text(md, encoding="utf-8")
+    return md
+
+
+def markdown(args: argparse.Namespace, rows: list[dict[str, Any]], elapsed_s: float) -> str:
+    """The results table of one invocation (what ran, then one row per run)."""
+    runs = []
+    if not args.skip_inf and args.sim_only:
+        runs.append(f"rate ∞ on {args.scenario}: {args.requests} requests, simulator only (no processes)")
+    elif not args.skip_inf:
+        stream = "streamed" if args.stream else "non-streamed"
+        runs.append(f"rate ∞ on {args.scenario}: {args.requests} {stream} requests, speedup {args.speedup:g}")
+    if not args.skip_overload:
+        runs.append(
+            f"overload on paper-a: 1.5× capacity for {args.overload_s:g} model s, speedup "
+            f"{args.overload_speedup:g}"
+        )
     lines = [
-        f"# Admission control through the gateway ({args.scenario} at rate ∞, paper-a in overload)",
+        "# Admission control through the gateway (emulators)",
         "",
-        f"rate ∞: {args.requests} {'streamed' if args.stream else 'non-streamed'} requests, speedup "
-        f"{args.speedup:g}; overload: 1.5× capacity for "
-        f"{args.overload_s:g} model s, speedup {args.overload_speedup:g}; {elapsed_s:.0f} s wall.",
+        f"{'; '.join(runs)}; {elapsed_s:.0f} s wall.",
         "",
         "| run | policy | tok/s | % bound | simulator % bound | int. p99 TTFT s | batch max wait s "
         "| share a (0.75) | 429 | done/sent | other | ledger, queue after |",
@@ -395,9 +411,7 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], elapsed_s: floa
             f"{g['shed_429']} | {g['completed']}/{g['sent']} | {g['other']} | {g['in_flight_after']}, "
             f"{r.get('queue_length_after', math.nan):.0f} |"
         )
-    md = "\n".join(lines) + "\n"
-    (args.out / f"{args.name}.md").write_text(md, encoding="utf-8")
-    return md
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
