@@ -50,9 +50,11 @@ def full_mask(
     busy = snapshot.requests_in_flight[idx] > 0
     out_frac = config.kv_output_frac
     need = features.input_tokens + out_frac * features.predicted_output_tokens
-    held = snapshot.input_tokens_in_flight[idx] + snapshot.generated_tokens_in_flight[idx]
-    if out_frac > 0.0:
-        held = held + out_frac * snapshot.remaining_predicted_tokens[idx]
+    held = (
+        snapshot.input_tokens_in_flight[idx]
+        + snapshot.generated_tokens_in_flight[idx]
+        + out_frac * snapshot.remaining_predicted_tokens[idx]
+    )
     cap = models.capacity_tokens(snapshot, idx)
     kv = held + need > fill_frac * config.kv_high_water_frac * cap
     max_seqs = models.max_num_seqs[idx] if seqs_limit is None else seqs_limit
@@ -122,6 +124,8 @@ class ObservedSeqs:
         """Per backend of ``idx``: the static ``max_num_seqs`` where known, else the observed limit
         (∞ while no scrape has shown a queue)."""
         static = models.max_num_seqs[idx]
+        if np.isfinite(static).all():  # every limit configured: nothing to observe (the usual case)
+            return static
         out: FloatArray = static.copy()
         for k, i in enumerate(idx.tolist()):
             if np.isfinite(static[k]):
