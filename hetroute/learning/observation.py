@@ -4,7 +4,8 @@ Every field is what the router itself measured, so the same observation comes fr
 from the simulator. Counts are the router's own ledger on that backend (requests it dispatched there),
 taken at three instants of the request's life:
 
-- at dispatch: ``pending_tokens_ahead`` (Σ I of earlier requests still waiting for their first token),
+- at dispatch: ``pending_tokens_ahead`` (Σ of the uncached prompt tokens, I less the tokens expected in
+  the prefix cache, of earlier requests still waiting for their first token),
 - at the first token: ``in_flight_at_first`` and ``context_at_first`` (Σ I + generated in flight),
 - at the end: ``in_flight_at_end`` and ``context_at_end``.
 

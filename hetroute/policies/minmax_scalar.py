@@ -30,10 +30,10 @@ alone, one core): 28 against 55 µs at 8 backends, about equal at 16, slower bey
 
 MAX_EXPONENT = 30.0
 """Cap on θ·kvusage: e^30 ≈ 1e13 keeps loads finite and releases exact enough in float64."""
-PREFIX_BALANCE_REL = 0.25
+PREFIX_BALANCE_REL = 0.5
 """Prefix balance guard: no cache credit on a candidate whose drain time exceeds the least loaded
 candidate's by more than this (relative) and :data:`PREFIX_BALANCE_ABS_S` (``MinMaxPolicy._cached``)."""
-PREFIX_BALANCE_ABS_S = 0.5
+PREFIX_BALANCE_ABS_S = 1.0
 
 
 class MinMaxSettings(Protocol):
@@ -212,7 +212,7 @@ def _costs(
             if pending is not None:
                 lat = lat + max(p1, 0.0) * max(pending[c], 0.0)
             if policy.ttft_weight > 0.0:
-                lat = lat + policy.ttft_weight * max(p1 * il + p2 + p3 * il + p4, 0.0)
+                lat = lat + policy.ttft_weight * max(prefill, 0.0)
             lat_list.append(lat)
     if any(x != 0.0 for x in x_list):  # exp(0) is exactly 1; otherwise numpy's exp, as the arrays do
         w_list = [t * e for t, e in zip(t_list, np.exp(np.array(x_list)).tolist(), strict=True)]

@@ -226,9 +226,11 @@ class MinMaxPolicy:
                 candidates, snapshot.prefill_pending_tokens[candidates], params
             )
         if self.ttft_weight > 0.0:
-            # κ weights the backend's prefill speed for the whole prompt (a hardware tie-break), not
-            # the tokens a cache would save: weighted 8× those made affinity overpower balance.
-            out = out + self.ttft_weight * self.models.prefill_s(candidates, features.input_tokens, params)
+            # κ weights r's own prefill on each backend: the uncached part of its prompt, its TTFT on an
+            # idle backend (docs/prefix.md, "The cost model").
+            out = out + self.ttft_weight * self.models.prefill_s(
+                candidates, features.input_tokens, params, cached
+            )
         return out
 
     def choose(

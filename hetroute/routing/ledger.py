@@ -10,7 +10,11 @@ Per backend it keeps, in numpy arrays indexed like the router's backends:
   numerator is Σ (I_r + Õ_r), method.md §5);
 - ``workload``: L_s, Σ of the policy costs w_r^s of in-flight requests (method.md §5);
 - ``prefill_pending_tokens``: Σ I_r of in-flight requests whose first token has not been seen yet
-  (added at dispatch, removed once: at :meth:`Ledger.first_token`, or at release if none came).
+  (added at dispatch, removed once: at :meth:`Ledger.first_token`, or at release if none came);
+- ``prefill_pending_uncached_tokens``: the same requests' Σ ``prefill_tokens`` (their prompts less the
+  tokens expected in the engine's prefix cache), the prefill work queued ahead of a new request that
+  the latency learner reads (``Ticket.pending_tokens_ahead``). It is the ledger's own: not in the
+  snapshot, whose policies see the whole prompts (docs/prefix.md, "The cost model").
 
 Invariant: every :meth:`Ledger.dispatch` is undone by exactly one effective
 :meth:`Ledger.release`, whatever the outcome; a second release is a no-op that returns
@@ -46,6 +50,8 @@ class Ticket:
     released: bool = False
     released_at_s: float | None = None
     pending_tokens_ahead: float = 0.0
+    """Σ ``prefill_tokens`` of the requests on the backend still waiting for their first token when this
+    one was dispatched: the prefill work ahead of it (cached parts of those prompts are skipped)."""
     in_flight_at_first: float = 0.0
     context_at_first: float = 0.0
     prefill_tokens: int = 0
@@ -64,6 +70,7 @@ class Ledger:
         self._floats: FloatArray = np.zeros((6, n), dtype=np.float64)
         self.dispatched_total: IntArray = np.zeros(n, dtype=np.int64)
         self.released_total: IntArray = np.zeros(n, dtype=np.int64)
+        self.prefill_pending_uncached_tokens: FloatArray = np.zeros(n, dtype=np.float64)
         self._bind_rows()
         self._in_flight = 0
 
@@ -89,12 +96,14 @@ class Ledger:
             self._floats = np.hstack([self._floats, np.zeros((6, 1), dtype=np.float64)])
             self.dispatched_total = np.append(self.dispatched_total, 0)
             self.released_total = np.append(self.released_total, 0)
+            self.prefill_pending_uncached_tokens = np.append(self.prefill_pending_uncached_tokens, 0.0)
             self._bind_rows()
             self.backend_names = (*self.backend_names, name)
             return
         if not 0 <= index < n or self.requests_in_flight[index] != 0:
             raise ValueError(f"ledger slot {index} is not free (in flight or out of range)")
         self._floats[:, index] = 0.0
+        self.prefill_pending_uncached_tokens[index] = 0.0
         self.dispatched_total[index] = 0
         self.released_total[index] = 0
         names = list(self.backend_names)
@@ -133,13 +142,14 @@ class Ledger:
         prefill (the rest is expected in the engine's prefix cache); it is recorded on the ticket."""
         i = backend_index
         prefill = input_tokens if prefill_tokens is None else max(0, min(prefill_tokens, input_tokens))
-        ahead = float(self.prefill_pending_tokens[i])
+        ahead = float(self.prefill_pending_uncached_tokens[i])
         self.requests_in_flight[i] += 1
         self.input_tokens_in_flight[i] += input_tokens
         self.remaining_predicted_tokens[i] += predicted_output_tokens
         self.predicted_output_tokens_in_flight[i] += predicted_output_tokens
         self.workload[i] += workload_cost
         self.prefill_pending_tokens[i] += input_tokens
+        self.prefill_pending_uncached_tokens[i] += prefill
         self.dispatched_total[i] += 1
         self._in_flight += 1
         return Ticket(
@@ -166,6 +176,7 @@ class Ledger:
             i = ticket.backend_index
             ticket.first_token_at_s = now_s
             self.prefill_pending_tokens[i] -= ticket.input_tokens
+            self.prefill_pending_uncached_tokens[i] -= ticket.prefill_tokens
             ticket.in_flight_at_first = float(self.requests_in_flight[i])
             context = self.input_tokens_in_flight[i] + self.generated_tokens_in_flight[i]
             ticket.context_at_first = float(context)
@@ -199,6 +210,7 @@ class Ledger:
         self.workload[i] -= ticket.workload_cost
         if ticket.first_token_at_s is None:
             self.prefill_pending_tokens[i] -= ticket.input_tokens
+            self.prefill_pending_uncached_tokens[i] -= ticket.prefill_tokens
         self.released_total[i] += 1
         self._in_flight -= 1
         if self.requests_in_flight[i] == 0:
@@ -221,6 +233,7 @@ class Ledger:
             "predicted_output_tokens_in_flight": float(self.predicted_output_tokens_in_flight[index]),
             "workload": float(self.workload[index]),
             "prefill_pending_tokens": float(self.prefill_pending_tokens[index]),
+            "prefill_pending_uncached_tokens": float(self.prefill_pending_uncached_tokens[index]),
             "dispatched_total": int(self.dispatched_total[index]),
             "released_total": int(self.released_total[index]),
         }
@@ -236,5 +249,6 @@ class Ledger:
             and not self.predicted_output_tokens_in_flight.any()
             and not self.workload.any()
             and not self.prefill_pending_tokens.any()
+            and not self.prefill_pending_uncached_tokens.any()
             and bool((self.dispatched_total == self.released_total).all())
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +126,39 @@ def test_fit_is_robust_to_outliers() -> None:
         obs, TRUE, now_s=obs[-1].finished_at_s, capacity_tokens=CAP, max_num_seqs=SEQS, settings=FitSettings()
     )
     assert fit.params[0] == pytest.approx(TRUE[0], rel=0.15)
+    assert _step(fit.params, 16, 500) == pytest.approx(_step(TRUE, 16, 500), rel=0.05)
+
+
+def test_a_few_surprisingly_fast_first_tokens_do_not_drag_the_prefill_scale_down() -> None:
+    """A first token 30× sooner than the model can explain (a prefix-cache hit the router did not
+    expect; a prompt that joined a step beside one it counted as ahead of it) is a point of high
+    leverage in a relative fit: three in 300 took α to a fraction of the truth before the rows'
+    leverage was bounded (fit.py, "bounded leverage")."""
+    obs = synthetic(TRUE, 300, random.Random(4))
+    for k in (100, 200, 290):
+        o = obs[k]
+        fast = replace(o, input_tokens=4000, pending_tokens_ahead=8000.0, ttft_s=0.02, e2e_s=0.02 + o.e2e_s)
+        obs[k] = fast
+    fit = fit_backend(
+        obs, TRUE, now_s=obs[-1].finished_at_s, capacity_tokens=CAP, max_num_seqs=SEQS, settings=FitSettings()
+    )
+    assert fit.params[0] == pytest.approx(TRUE[0], rel=0.15)
+
+
+def test_the_bound_on_leverage_does_not_hold_back_a_prior_wrong_everywhere() -> None:
+    """Every row is 10× faster than a prior 10× too slow: no row is surprising next to the others, so
+    the fit moves to the truth as freely as without the bound."""
+    prior = tuple(v * 10.0 for v in TRUE)
+    obs = synthetic(TRUE, 400, random.Random(6))
+    fit = fit_backend(
+        obs,
+        prior,
+        now_s=obs[-1].finished_at_s,
+        capacity_tokens=CAP,
+        max_num_seqs=SEQS,
+        settings=FitSettings(),
+    )
+    assert fit.params[0] == pytest.approx(TRUE[0], rel=0.1)
     assert _step(fit.params, 16, 500) == pytest.approx(_step(TRUE, 16, 500), rel=0.05)
 
 

@@ -149,12 +149,30 @@ def test_prefill_pending_random_interleaving_matches_a_recount() -> None:
             t = live.pop(rng.randrange(len(live)))
             assert led.release(t, float(step))
         else:
-            live.append(_dispatch(led, str(step), rng.randrange(3), rng.randrange(1, 4000)))
+            backend, tokens = rng.randrange(3), rng.randrange(1, 4000)
+            cached = rng.choice([0, 0, rng.randrange(tokens)])
+            ticket = led.dispatch(
+                request_id=str(step),
+                backend_index=backend,
+                input_tokens=tokens,
+                predicted_output_tokens=7,
+                workload_cost=0.5,
+                now_s=float(step),
+                prefill_tokens=tokens - cached,
+            )
+            # The learner's "work ahead": the uncached prompt tokens still waiting on that backend.
+            assert ticket.pending_tokens_ahead == sum(
+                t.prefill_tokens for t in live if t.backend_index == backend and t.first_token_at_s is None
+            )
+            live.append(ticket)
         expected = [0.0, 0.0, 0.0]
+        uncached = [0.0, 0.0, 0.0]
         for t in live:
             if t.first_token_at_s is None:
                 expected[t.backend_index] += t.input_tokens
+                uncached[t.backend_index] += t.prefill_tokens
         assert led.prefill_pending_tokens.tolist() == expected
+        assert led.prefill_pending_uncached_tokens.tolist() == uncached
     for t in live:
         led.release(t, 1e9)
     assert led.is_zero()

@@ -149,7 +149,7 @@ def test_a_backend_far_busier_than_the_least_loaded_loses_its_cache_credit() -> 
     default = policy("balanced_minmax", twins)
     near = with_cache(snap(twins, workload=[0.3, 0.0]), [2000.0, 0.0])
     assert default.choose(prefixed(), near, BOTH).index == 0  # within the band: the cache wins
-    busy = snap(twins, workload=[1.0, 0.0])
+    busy = snap(twins, workload=[1.5, 0.0])
     assert default.costs(prefixed(), with_cache(busy, [2000.0, 0.0]), BOTH)[0].tolist() == (
         default.costs(prefixed(), with_cache(busy, [0.0, 0.0]), BOTH)[0].tolist()
-    )  # 1.0 s > 0 · 1.25 + 0.5 s: no credit for the cached prompt on the busy backend
+    )  # 1.5 s > 0 · 1.5 + 1.0 s: no credit for the cached prompt on the busy backend
