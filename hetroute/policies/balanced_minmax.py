@@ -4,7 +4,7 @@ Same mapper and the same release-exactly-once accounting as ``workload_minmax`` 
 what changes is the cost and a latency floor:
 
     w_r^s   = T_r^s · exp(θ · max(kvusage_s − 1, 0))                       (θ default 0: w = T_r^s)
-    lat_r^s = p1_s · P_s + (1 + κ) · T_prefill(1, I_r) + Õ_r · τ_decode(L̄_s + Õ_r/2, n_s + 1)
+    lat_r^s = p1_s · P_s + (1 + κ) · T_prefill(1, U_r^s) + Õ_r · τ_decode(L̄_s + Õ_r/2, n_s + 1)
     c       = argmin_s max( max_{j≠s} L_j , max(L_s + w_r^s, lat_r^s) )
               (ties: smallest max(L_s + w, lat), then seeded random); L_c += w_r^c
 
@@ -38,11 +38,12 @@ Params: ``theta`` (default 0), ``latency_floor`` (default true), ``prefill_queue
 (``ledger``/``engine``/``max``), ``batch_kv`` (``full``/``average``), ``seed``. κ = 8 was chosen on
 the simulator benchmark (docs/policies.md): 4 helps less, 16 raises p99 TTFT on paper-b at 24 req/s.
 
-Prefix-cache locality (docs/prefix.md): with ``prefix`` (default true) T_r^s and r's own prefill count
-only the prompt tokens not estimated cached on s (``ClusterSnapshot.prefix_cached_tokens``), with no
-credit on a backend far busier than the least loaded (the balance guard); the κ term and ``P_s`` keep
-the whole prompt. ``session_slack`` (default 0.1) keeps a session on its last backend while that is
-within 10 % of the choice.
+Prefix-cache locality (docs/prefix.md): with ``prefix`` (default true) T_r^s and r's own prefill (κ
+included) count only the prompt tokens not estimated cached on s, ``U_r^s = I_r − cached_s``
+(``ClusterSnapshot.prefix_cached_tokens``; ``U_r^s = I_r`` without the term), with no credit on a
+backend far busier than the least loaded (the balance guard); ``P_s`` keeps the whole prompts.
+``session_slack`` (default 0.1) keeps a session on its last backend while that is within 10 % of the
+choice.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hetroute.latency import load_profile
-from hetroute.learning.fit import FitSettings, RowCache, fit_backend, predict_e2e_s, predict_tpot_s
+from hetroute.learning.fit import FitResult, FitSettings, RowCache, fit_backend, predict_e2e_s, predict_tpot_s
 from hetroute.learning.live import DRIFT_WINDOW, LiveModels, PriorModel
 from hetroute.learning.observation import Observation
 from hetroute.learning.settings import LearningConfig
@@ -70,14 +70,9 @@ def synthetic(
     return out
 
 
-def _step(params: tuple[float, ...], b: float, length: float) -> float:
-    return params[4] * b * length + params[5] * b + params[6] * length + params[7]
-
-
-def test_fit_recovers_the_decode_curve_and_the_prefill_level_from_a_wrong_prior() -> None:
-    prior = tuple(v * 2.0 for v in TRUE)  # twice too slow everywhere
-    obs = synthetic(TRUE, 400, random.Random(1))
-    fit = fit_backend(
+def _fit(obs: list[Observation], prior: tuple[float, ...]) -> FitResult:
+    """The fit at the time of the last observation, with the default settings."""
+    return fit_backend(
         obs,
         prior,
         now_s=obs[-1].finished_at_s,
@@ -85,6 +80,16 @@ def test_fit_recovers_the_decode_curve_and_the_prefill_level_from_a_wrong_prior(
         max_num_seqs=SEQS,
         settings=FitSettings(),
     )
+
+
+def _step(params: tuple[float, ...], b: float, length: float) -> float:
+    return params[4] * b * length + params[5] * b + params[6] * length + params[7]
+
+
+def test_fit_recovers_the_decode_curve_and_the_prefill_level_from_a_wrong_prior() -> None:
+    prior = tuple(v * 2.0 for v in TRUE)  # twice too slow everywhere
+    obs = synthetic(TRUE, 400, random.Random(1))
+    fit = _fit(obs, prior)
     for b, length in ((1, 300), (16, 500), (48, 800)):
         assert _step(fit.params, b, length) == pytest.approx(_step(TRUE, b, length), rel=0.05)
     # Prefill is learned as a scale of the prior's curve: the scale comes back to the truth.
@@ -122,9 +127,7 @@ def test_the_drift_statistic_is_numpys_median_exactly() -> None:
 
 def test_fit_is_robust_to_outliers() -> None:
     obs = synthetic(TRUE, 400, random.Random(2), outliers=0.1)
-    fit = fit_backend(
-        obs, TRUE, now_s=obs[-1].finished_at_s, capacity_tokens=CAP, max_num_seqs=SEQS, settings=FitSettings()
-    )
+    fit = _fit(obs, TRUE)
     assert fit.params[0] == pytest.approx(TRUE[0], rel=0.15)
     assert _step(fit.params, 16, 500) == pytest.approx(_step(TRUE, 16, 500), rel=0.05)
 
@@ -139,25 +142,14 @@ def test_a_few_surprisingly_fast_first_tokens_do_not_drag_the_prefill_scale_down
         o = obs[k]
         fast = replace(o, input_tokens=4000, pending_tokens_ahead=8000.0, ttft_s=0.02, e2e_s=0.02 + o.e2e_s)
         obs[k] = fast
-    fit = fit_backend(
-        obs, TRUE, now_s=obs[-1].finished_at_s, capacity_tokens=CAP, max_num_seqs=SEQS, settings=FitSettings()
-    )
-    assert fit.params[0] == pytest.approx(TRUE[0], rel=0.15)
+    assert _fit(obs, TRUE).params[0] == pytest.approx(TRUE[0], rel=0.15)
 
 
 def test_the_bound_on_leverage_does_not_hold_back_a_prior_wrong_everywhere() -> None:
     """Every row is 10× faster than a prior 10× too slow: no row is surprising next to the others, so
     the fit moves to the truth as freely as without the bound."""
     prior = tuple(v * 10.0 for v in TRUE)
-    obs = synthetic(TRUE, 400, random.Random(6))
-    fit = fit_backend(
-        obs,
-        prior,
-        now_s=obs[-1].finished_at_s,
-        capacity_tokens=CAP,
-        max_num_seqs=SEQS,
-        settings=FitSettings(),
-    )
+    fit = _fit(synthetic(TRUE, 400, random.Random(6)), prior)
     assert fit.params[0] == pytest.approx(TRUE[0], rel=0.1)
     assert _step(fit.params, 16, 500) == pytest.approx(_step(TRUE, 16, 500), rel=0.05)
 
@@ -189,14 +181,7 @@ def test_no_observation_returns_the_prior() -> None:
 def test_non_streaming_answers_are_fitted_on_their_e2e() -> None:
     prior = tuple(v * 2.0 for v in TRUE)
     obs = synthetic(TRUE, 400, random.Random(4), streamed=False)
-    fit = fit_backend(
-        obs,
-        prior,
-        now_s=obs[-1].finished_at_s,
-        capacity_tokens=CAP,
-        max_num_seqs=SEQS,
-        settings=FitSettings(),
-    )
+    fit = _fit(obs, prior)
     errors = [abs(predict_e2e_s(fit.params, o, CAP, SEQS) / o.e2e_s - 1) for o in obs]
     assert float(np.median(errors)) < 0.05
     assert math.isnan(fit.tpot_mape) and fit.e2e_mape < 0.1
