@@ -13,7 +13,7 @@ import pytest
 
 from hetroute.latency import load_profile
 from hetroute.learning.fit import FitResult, FitSettings, RowCache, fit_backend, predict_e2e_s, predict_tpot_s
-from hetroute.learning.live import DRIFT_WINDOW, LiveModels, PriorModel
+from hetroute.learning.live import DRIFT_WINDOW, PEER_MIN_SAMPLES, LiveModels, PriorModel
 from hetroute.learning.observation import Observation
 from hetroute.learning.settings import LearningConfig
 from hetroute.learning.state import live_profile, load_saved, save_all, state_file
@@ -209,7 +209,8 @@ def _live(config: LearningConfig | None = None, n: int = 1) -> LiveModels:
 
 
 def test_live_models_publish_new_read_only_arrays_only_on_refit() -> None:
-    live = _live(n=2)
+    live = _live(n=1)
+    live.set_slot(1, "b1", PriorModel(tuple(v * 2 for v in TRUE), "other prior", "profile"), CAP, SEQS, TRUE)
     before = live.params
     assert not before.flags.writeable and not live.samples.flags.writeable
     slow = tuple(v * 1.3 for v in TRUE)
@@ -225,6 +226,36 @@ def test_live_models_publish_new_read_only_arrays_only_on_refit() -> None:
     params = d["params"]
     assert isinstance(params, dict) and params["p8"]["source"] == "live"
     assert 0.0 <= float(str(d["e2e_error"])) < 1.0
+
+
+def test_peers_with_the_same_informed_prior_publish_the_best_learned_model_until_they_have_their_own() -> (
+    None
+):
+    """Backends with equal profile or roofline priors are the same hardware as far as the router knows:
+    one with fewer than PEER_MIN_SAMPLES fitted requests publishes the best-learned peer's model (its
+    common prior while none has that many); equal neutral priors say nothing and are not peers."""
+    priors = [PriorModel(TRUE, "same profile", "profile")] * 2 + [PriorModel(TRUE, "nothing", "neutral")] * 2
+    live = LiveModels(["a", "b", "c", "d"], priors, [CAP] * 4, [SEQS] * 4, LearningConfig())
+    slow = tuple(v * 1.5 for v in TRUE)
+    rows = synthetic(slow, 200, random.Random(8))
+    for obs in rows[: PEER_MIN_SAMPLES - 1]:
+        live.observe(obs)
+    live.refit(now_s=10.0)
+    assert live.params[0].tolist() == pytest.approx(list(TRUE))  # too few: the common prior
+    for obs in rows[PEER_MIN_SAMPLES - 1 : 60]:
+        live.observe(obs)
+        live.observe(replace(obs, backend_index=2))
+    live.refit(now_s=20.0)
+    assert live.params[0][0] == pytest.approx(slow[0], rel=0.1)
+    assert live.params[1].tolist() == live.params[0].tolist()  # b saw nothing: a's model
+    assert live.params[2][0] == pytest.approx(slow[0], rel=0.1)
+    assert live.params[3].tolist() == pytest.approx(list(TRUE))  # d: its own prior, not c's model
+    assert live.samples.tolist() == [60.0, 0.0, 45.0, 0.0]  # exploration still counts b's own
+    fast = tuple(v * 0.5 for v in TRUE)
+    for obs in synthetic(fast, 40, random.Random(9), start_s=20.0):
+        live.observe(replace(obs, backend_index=1))
+    live.refit(now_s=30.0)
+    assert live.params[1][0] == pytest.approx(fast[0], rel=0.15)  # enough of its own: its own fit
 
 
 def test_a_two_fold_slow_down_is_detected_as_drift_and_relearned() -> None:
