@@ -13,9 +13,10 @@ up to the end of that block. The same construction serves three callers here:
   for text of 4 characters per token (the emulator's tokenizer, ``sim/emulator_text.py``).
 
 Only full blocks are hashed (a partial last block is never cached, as in vLLM). Hashes are Python's
-``hash`` of a tuple ``(parent, content)``, which is deterministic for integer content and per process
-for ``str`` content (the router's index lives in one process). ``ROOT_HASH`` is the parent of the first
-block.
+``hash`` of a tuple ``(parent, content)`` of integers, which is the same in every process (``str``
+hashes are salted per process, so text enters as the CRC-32 of its UTF-8 bytes): gateway workers,
+router replicas and restarts name the same prompt head alike, which ``session_hash``'s ring needs.
+``ROOT_HASH`` is the parent of the first block.
 
 A *segment* is ``(segment_id, tokens)``: ``tokens`` consecutive prompt tokens whose content is fixed by
 ``segment_id`` (token ``j`` of segment ``s`` is "token (s, j)"). A simulated prompt is a tuple of
@@ -24,6 +25,7 @@ segments; two prompts share the tokens of every segment they share at the same o
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from typing import Final
 
@@ -82,12 +84,17 @@ def segment_block_hashes(segments: Sequence[Segment], block_tokens: int) -> tupl
 
 
 def text_chunk_hashes(text: str, chunk_chars: int = ROUTER_CHUNK_CHARS) -> tuple[int, ...]:
-    """Chained hashes of every full ``chunk_chars``-character chunk of ``text`` (no tokenizer)."""
+    """Chained hashes of every full ``chunk_chars``-character chunk of ``text`` (no tokenizer).
+
+    Stable across processes: a chunk enters as the CRC-32 of its UTF-8 bytes (lone surrogates, which
+    JSON can carry, are encoded as they stand), chained with its parent through ``hash`` of integers.
+    """
     if chunk_chars < 1:
         raise ValueError(f"chunk_chars must be ≥ 1, got {chunk_chars}")
     out: list[int] = []
     parent = ROOT_HASH
     for start in range(0, len(text) - chunk_chars + 1, chunk_chars):
-        parent = hash((parent, text[start : start + chunk_chars]))
+        chunk = text[start : start + chunk_chars].encode("utf-8", "surrogatepass")
+        parent = hash((parent, zlib.crc32(chunk)))
         out.append(parent)
     return tuple(out)

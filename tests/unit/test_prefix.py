@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import tracemalloc
 
 import numpy as np
@@ -47,6 +50,23 @@ def test_text_chunks_share_exactly_the_common_prefix() -> None:
     y = text_chunk_hashes(head + "y" * 600)
     assert x[:3] == y[:3] and x[3] != y[3]
     assert text_chunk_hashes("short") == ()
+
+
+def test_text_chunk_hashes_are_the_same_in_every_process() -> None:
+    """Workers, replicas and restarts must name a prompt head alike (``session_hash``'s ring needs it),
+    although Python salts ``str`` hashes per process; JSON's lone surrogates hash too."""
+    text = "sys: be brief. \ud800 é " * 60
+    code = f"from hetroute.prefix.hashing import text_chunk_hashes as h; print(list(h({text!r})))"
+    seen = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30
+        )
+        assert out.returncode == 0, out.stderr
+        seen.add(out.stdout.strip())
+    assert seen == {str(list(text_chunk_hashes(text)))}
+    assert len(text_chunk_hashes(text)) == len(text) // ROUTER_CHUNK_CHARS
 
 
 def test_index_matches_the_longest_held_prefix_per_backend() -> None:
