@@ -30,7 +30,11 @@ another N, or with one process, starts from the same files).
 - SIGTERM/SIGINT: forwarded to every worker as SIGTERM; each drains like the single process
   (``server.shutdown_grace_s``); after ``shutdown_grace_s`` + :data:`STOP_MARGIN_S` those left are
   killed. The parent exits 0 when every worker exited 0 (or was stopped before it listened);
-- a worker that exits unasked (crash, OOM kill, a failed bind): the others are stopped the same way
+- a worker that exits unasked (crash, OOM kill) once all were listening is started again under the
+  same index (the others keep serving), at most ``server.worker_restarts`` times in any
+  :data:`RESTART_WINDOW_S`; a started-again worker re-reads the config file's backends (as on
+  SIGHUP), so it serves what the others serve. One exit more than that, or any exit before every
+  worker was listening (a failed bind, a bad environment), stops the others the same way as SIGTERM
   and the parent exits 1, so the process manager restarts the whole group;
 - SIGHUP: forwarded to every worker, which applies the config file's backends itself
   (:mod:`hetroute.commands.reload`);
@@ -52,6 +56,8 @@ import multiprocessing
 import os
 import signal
 import sys
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnProcess
@@ -72,6 +78,8 @@ STOP_MARGIN_S = 5.0
 killing them (a worker's own drain ends within grace + 1 s)."""
 KILL_WAIT_S = 5.0
 """How long the parent waits for killed workers to be reaped."""
+RESTART_WINDOW_S = 60.0
+"""``server.worker_restarts`` counts the restarts within this many seconds."""
 
 EventKind = Literal["ready", "exit", "signal"]
 
@@ -90,6 +98,14 @@ class _Worker:
     """It reported its port: its SIGHUP handler is in place."""
     reload_pending: bool = False
     """A SIGHUP came before it listened: it is sent one as soon as it does."""
+    started_s: float = 0.0
+    """Loop time of its start: it must listen within :data:`WORKER_START_S` of it."""
+
+
+Event = tuple[EventKind, "_Worker | None", int]
+"""(kind, the worker it concerns (None for a signal), the port or the signal number). The worker
+object, not its index: a worker started again under an index never receives its predecessor's
+events."""
 
 
 def supervise(cfg: Config, log_level: str, config_path: str | None = None) -> int:
@@ -112,17 +128,21 @@ async def _supervise(cfg: Config, log_level: str, config_path: str | None) -> in
             cfg.server.workers,
         )
     loop = asyncio.get_running_loop()
-    events: asyncio.Queue[tuple[EventKind, int, int]] = asyncio.Queue()
+    events: asyncio.Queue[Event] = asyncio.Queue()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before any worker exists: none is left behind
-        loop.add_signal_handler(sig, events.put_nowait, ("signal", -1, int(sig)))
+        loop.add_signal_handler(sig, events.put_nowait, ("signal", None, int(sig)))
     workers: list[_Worker] = []
     loop.add_signal_handler(signal.SIGHUP, _forward_sighup, workers)
     ctx = multiprocessing.get_context("spawn")
+
+    def start(index: int) -> _Worker:
+        return _start(ctx, cfg, index, log_level, events, config_path)
+
     failed = True
     try:
         for k in range(cfg.server.workers):
-            workers.append(_start(ctx, cfg, k, log_level, events, config_path))
-        failed = await _until_stopped(cfg, workers, events)
+            workers.append(start(k))
+        failed = await _until_stopped(cfg, workers, events, start, reload_restarted=config_path is not None)
     finally:
         clean = await _stop(workers, cfg.server.shutdown_grace_s + STOP_MARGIN_S)
         for w in workers:
@@ -150,7 +170,7 @@ def _start(
     cfg: Config,
     index: int,
     log_level: str,
-    events: asyncio.Queue[tuple[EventKind, int, int]],
+    events: asyncio.Queue[Event],
     config_path: str | None = None,
 ) -> _Worker:
     """Start worker ``index``; its readiness and its exit arrive on ``events``."""
@@ -160,13 +180,13 @@ def _start(
     )
     process.start()  # fork + exec and a few KB into a pipe: short, and only at start-up
     theirs.close()
-    worker = _Worker(index, process, mine)
     loop = asyncio.get_running_loop()
+    worker = _Worker(index, process, mine, started_s=loop.time())
 
     def on_exit() -> None:
         loop.remove_reader(process.sentinel)
         worker.exited.set()
-        events.put_nowait(("exit", index, 0))
+        events.put_nowait(("exit", worker, 0))
 
     def on_message() -> None:
         loop.remove_reader(mine.fileno())
@@ -174,7 +194,7 @@ def _start(
             port = mine.recv()
         except (EOFError, OSError):
             return  # it exited before listening: its sentinel reports that
-        events.put_nowait(("ready", index, int(port)))
+        events.put_nowait(("ready", worker, int(port)))
 
     loop.add_reader(process.sentinel, on_exit)
     loop.add_reader(mine.fileno(), on_message)
@@ -182,50 +202,77 @@ def _start(
 
 
 async def _until_stopped(
-    cfg: Config, workers: list[_Worker], events: asyncio.Queue[tuple[EventKind, int, int]]
+    cfg: Config,
+    workers: list[_Worker],
+    events: asyncio.Queue[Event],
+    start: Callable[[int], _Worker],
+    reload_restarted: bool = False,
 ) -> bool:
-    """Wait for every worker to listen, then for a signal or a worker's exit; True: a failure."""
+    """Wait for every worker to listen, then for a signal; start a worker again when it exits unasked
+    (within ``server.worker_restarts`` per :data:`RESTART_WINDOW_S`). True: a failure (a worker not
+    listening in time, an exit before all listened, or one restart too many)."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + WORKER_START_S
-    ready = 0
+    serving = False  # every worker was listening once: exits from now on are restarted
+    restarts: deque[float] = deque()
     while True:
+        starting = [w.started_s + WORKER_START_S for w in workers if not w.listening]
         try:
-            async with asyncio.timeout_at(deadline if ready < len(workers) else None):
-                kind, index, value = await events.get()
+            async with asyncio.timeout_at(min(starting) if starting else None):
+                kind, w, value = await events.get()
         except TimeoutError:
-            log.error(
-                "%d of %d workers were not listening after %gs; stopping",
-                len(workers) - ready,
-                len(workers),
-                WORKER_START_S,
-            )
+            late = [w.index for w in workers if not w.listening]
+            log.error("workers %s were not listening after %gs; stopping", late, WORKER_START_S)
             return True
-        if kind == "signal":
+        if kind == "signal" or w is None:
             log.info("%s: stopping %d workers", signal.Signals(value).name, len(workers))
             return False
-        w = workers[index]
+        if workers[w.index] is not w:  # pragma: no cover - events of a replaced worker: none follow its exit
+            continue
         if kind == "exit":
             w.process.join()  # already exited: reaps at once
             w.reported = True
+            now = loop.time()
+            while restarts and restarts[0] <= now - RESTART_WINDOW_S:
+                restarts.popleft()
+            if not serving or len(restarts) >= cfg.server.worker_restarts:
+                log.error(
+                    "worker %d (pid %s) exited unexpectedly with status %s; stopping the others%s",
+                    w.index,
+                    w.process.pid,
+                    w.process.exitcode,
+                    "" if not serving else f" ({len(restarts)} restarts in the last {RESTART_WINDOW_S:g}s)",
+                )
+                return True
+            restarts.append(now)
             log.error(
-                "worker %d (pid %s) exited unexpectedly with status %s; stopping the others",
-                index,
+                "worker %d (pid %s) exited unexpectedly with status %s; starting it again (restart %d of "
+                "at most %d in %gs)",
+                w.index,
                 w.process.pid,
                 w.process.exitcode,
+                len(restarts),
+                cfg.server.worker_restarts,
+                RESTART_WINDOW_S,
             )
-            return True
-        ready += 1
+            w.conn.close()
+            fresh = start(w.index)
+            fresh.reload_pending = reload_restarted  # the file's backends, as the others reloaded them
+            workers[w.index] = fresh
+            continue
         w.listening = True
         if w.reload_pending:
             w.reload_pending = False
             _sighup(w)
-        if ready == len(workers):
+        if serving:
+            log.info("worker %d listening again (pid %s)", w.index, w.process.pid)
+        elif all(x.listening for x in workers):
+            serving = True
             log.info(
                 "hetroute: %d workers serving on http://%s:%d (pids %s)",
                 len(workers),
                 cfg.server.host,
                 value,
-                ", ".join(str(w.process.pid) for w in workers),
+                ", ".join(str(x.process.pid) for x in workers),
             )
 
 

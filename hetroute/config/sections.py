@@ -44,6 +44,9 @@ class ServerConfig:
     workers: PositiveInt = 1
     """Processes serving the port (``hetroute serve --workers``, :mod:`hetroute.commands.serve_workers`);
     more than 1 needs Linux and a fixed ``port``."""
+    worker_restarts: Annotated[int, Range(minimum=0)] = 5
+    """With ``workers`` > 1: how many times in any 60 s a worker that died unasked is started again;
+    one death more stops the group (exit 1). 0: any death stops the group."""
     replicas: PositiveInt = 1
     """Router replicas sharing the engines (a Deployment's ``replicas``), this one included. A hint:
     until a scrape has seen this router's own requests, each of the ``replicas × workers`` routers

@@ -54,10 +54,28 @@ async def _collect(stream: asyncio.StreamReader, into: list[str], seen: asyncio.
 
 
 @asynccontextmanager
-async def _serve_workers(backend_url: str, workers: int = 2) -> AsyncIterator[Served]:
+async def _serve_workers(
+    backend_url: str, workers: int = 2, restarts: int | None = None, tmp: Path | None = None
+) -> AsyncIterator[Served]:
+    """``--backend`` flags, or with ``restarts`` a config file in ``tmp`` (``server.worker_restarts``)."""
     port = _free_port()
+    source = ["--backend", backend_url, "--policy", "round_robin"]
+    if restarts is not None:
+        assert tmp is not None
+        config = tmp / "router.yaml"
+        config.write_text(
+            json.dumps(
+                {
+                    "backends": [{"name": "emu", "url": backend_url, "engine": "vllm", "models": [MODEL]}],
+                    "policy": {"type": "round_robin"},
+                    "server": {"worker_restarts": restarts},
+                }
+            ),
+            encoding="utf-8",
+        )
+        source = ["--config", str(config)]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hetroute", "serve", "--backend", backend_url, "--policy", "round_robin",
+        sys.executable, "-m", "hetroute", "serve", *source,
         "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
@@ -129,15 +147,59 @@ async def test_two_workers_share_the_port_and_all_exit_0_on_sigterm(emulate: Emu
         assert len(prefixes) == 2  # seed + k: each worker has its own request-id prefix
 
 
-async def test_a_killed_worker_stops_the_others_and_the_parent_exits_non_zero(emulate: EmulateFn) -> None:
+async def test_without_restarts_a_killed_worker_stops_the_others_and_the_parent_exits_non_zero(
+    emulate: EmulateFn, tmp_path: Path
+) -> None:
     emu = await emulate("vllm")
-    async with _serve_workers(emu.url) as served:
+    async with _serve_workers(emu.url, restarts=0, tmp=tmp_path) as served:
         assert (await _request(served.url))[0] == 200
         os.kill(served.pids[0], signal.SIGKILL)
         rc = await asyncio.wait_for(served.proc.wait(), EXIT_S)
         assert rc == 1
         assert all(_gone(pid) for pid in served.pids)
-        assert any("exited unexpectedly" in line for line in served.stderr)
+        assert any("exited unexpectedly" in line and "stopping the others" in line for line in served.stderr)
+
+
+RESTARTED = re.compile(r"worker (\d+) listening again \(pid (\d+)\)")
+
+
+async def test_a_killed_worker_is_started_again_until_the_restart_budget_is_spent(
+    emulate: EmulateFn, tmp_path: Path
+) -> None:
+    """``server.worker_restarts: 1``: the first SIGKILL of worker 0 is repaired while worker 1 keeps
+    serving (no request fails and both indices answer again); the second within 60 s stops the group."""
+    emu = await emulate("vllm")
+    async with _serve_workers(emu.url, restarts=1, tmp=tmp_path) as served:
+        assert (await _request(served.url))[0] == 200
+        os.kill(served.pids[0], signal.SIGKILL)
+        # Once the supervisor saw it die, its socket is closed: the kernel sends new connections to worker 1.
+        assert await eventually(lambda: any("starting it again" in x for x in served.stderr), EXIT_S)
+        during = await asyncio.gather(*(_request(served.url) for _ in range(8)))
+        assert [status for status, _ in during] == [200] * 8
+
+        def restarted() -> re.Match[str] | None:
+            return next((m for line in served.stderr if (m := RESTARTED.search(line))), None)
+
+        assert await eventually(lambda: restarted() is not None, timeout_s=START_S)
+        m = restarted()
+        assert m is not None and m.group(1) == "0"
+        new_pid = int(m.group(2))
+        assert new_pid not in served.pids and _gone(served.pids[0]) and not _gone(served.pids[1])
+        assert any("starting it again (restart 1 of at most 1" in line for line in served.stderr)
+        seen: set[str | None] = set()
+        for _ in range(10):  # new connections reach both workers again
+            answers = await asyncio.gather(*(_request(served.url) for _ in range(8)))
+            assert [status for status, _ in answers] == [200] * 8
+            seen |= {w for _, w in answers}
+            if seen == {"0", "1"}:
+                break
+        assert seen == {"0", "1"}
+
+        os.kill(new_pid, signal.SIGKILL)  # the budget is spent: the group stops
+        rc = await asyncio.wait_for(served.proc.wait(), EXIT_S)
+        assert rc == 1, "".join(served.stderr)
+        assert _gone(new_pid) and _gone(served.pids[1])
+        assert any("stopping the others (1 restarts in the last 60s)" in line for line in served.stderr)
 
 
 async def test_workers_need_a_fixed_port_and_at_least_one() -> None:
@@ -152,7 +214,13 @@ async def test_workers_need_a_fixed_port_and_at_least_one() -> None:
         assert info.value.path == field_name
     args = parser.parse_args(["serve", "--backend", "http://127.0.0.1:1", "--port", "8123", "--workers", "3"])
     cfg = serve._load(args)
-    assert (cfg.server.workers, cfg.server.port) == (3, 8123)
+    assert (cfg.server.workers, cfg.server.port, cfg.server.worker_restarts) == (3, 8123, 5)
+    backends = [{"name": "a", "url": "http://127.0.0.1:1"}]
+    with pytest.raises(ConfigError, match="server.worker_restarts") as bad:
+        config_from_dict({"backends": backends, "server": {"worker_restarts": -1}})
+    assert bad.value.path == "server.worker_restarts"
+    never = config_from_dict({"backends": backends, "server": {"worker_restarts": 0}})
+    assert never.server.worker_restarts == 0
 
 
 async def test_worker_apps_differ_in_seed_and_only_worker_0_saves(emulate: EmulateFn, tmp_path: Path) -> None:
