@@ -166,14 +166,17 @@ async def run(
     known: bool = True,
     scenario: str = "paper-a",
     stream: bool = True,
+    client_connections: int = 0,
 ) -> dict[str, Any]:
     """Replay ``work`` (with ``heads``) through fresh processes; per-request results and the
-    gateway's ledger and queue after the run."""
+    gateway's ledger and queue after the run. ``client_connections`` > 0 caps the client's open
+    connections (the rest wait in the client); 0: one connection per request."""
     procs: list[asyncio.subprocess.Process] = []
     model = fleet_of(scenario).backends[0].models[0] if known else UNKNOWN_MODEL
     try:
         backends, gw_port = await _start_stack(procs, policy, admission, k, known, scenario)
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        connector = aiohttp.TCPConnector(limit=client_connections)
+        async with aiohttp.ClientSession(connector=connector) as session:
             for b in backends:
                 await wait_ready(session, f"{b['url']}/health")
             base = f"http://127.0.0.1:{gw_port}"
@@ -295,7 +298,18 @@ def _inf_rows(args: argparse.Namespace, full: dict[str, float]) -> list[dict[str
             row: dict[str, Any] = {"label": label, "throughput_tokens_s": math.nan}
         else:
             result = asyncio.run(
-                run(label, policy, adm, work, none, args.speedup, known, args.scenario, args.stream)
+                run(
+                    label,
+                    policy,
+                    adm,
+                    work,
+                    none,
+                    args.speedup,
+                    known,
+                    args.scenario,
+                    args.stream,
+                    args.client_connections,
+                )
             )
             row = summarise(result, work, none)
         row.update(kind="inf", bound_tokens_s=bound, pct_bound=100 * row["throughput_tokens_s"] / bound)
@@ -387,6 +401,10 @@ def markdown(args: argparse.Namespace, rows: list[dict[str, Any]], elapsed_s: fl
     elif not args.skip_inf:
         stream = "streamed" if args.stream else "non-streamed"
         runs.append(f"rate ∞ on {args.scenario}: {args.requests} {stream} requests, speedup {args.speedup:g}")
+        if args.client_connections:
+            runs.append(
+                f"the client holds at most {args.client_connections} connections open (the rest wait in it)"
+            )
     if not args.skip_overload:
         runs.append(
             f"overload on paper-a: 1.5× capacity for {args.overload_s:g} model s, speedup "
@@ -430,6 +448,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument(
         "--sim-only", action="store_true", help="rate-∞ runs: only the simulator's figures (no processes)"
+    )
+    ap.add_argument(
+        "--client-connections",
+        type=int,
+        default=0,
+        help="rate-∞ runs: at most this many open client connections, the rest wait in the client "
+        "(0: one per request; a 20,000-request run needs a cap below the open-file limit)",
     )
     ap.add_argument("--inf-runs", default="", help="only these rate-∞ runs (labels, separated by ;)")
     ap.add_argument("--out", type=Path, default=RESULTS)
