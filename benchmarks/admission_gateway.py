@@ -3,8 +3,9 @@
 Usage: ``python benchmarks/admission_gateway.py [--requests 400] [--speedup 2] [--overload-s 40]``.
 Writes ``benchmarks/results/<--name, default admission_gateway>.{json,md}``.
 
-paper-a only (two emulated vLLM servers: Llama-3-8B on V100-SXM2-32GB at TP4 and TP1; fresh
-processes per run; the process set-up is ``policies_gateway.py``'s). Runs:
+On ``--scenario`` (default paper-a: two emulated vLLM servers, Llama-3-8B on V100-SXM2-32GB at TP4
+and TP1; paper-b and mixed: one emulator per instance; fresh processes per run; the process set-up
+is ``policies_gateway.py``'s). Runs:
 
 - **rate ∞**: ``--requests`` streamed ShareGPT-like requests at t = 0 (``max_tokens`` = the true
   length, ``ignore_eos``), the default policy with the queue on and off, and the paper's scheduler
@@ -347,7 +348,7 @@ def sim_run(
 def _overload_rows(args: argparse.Namespace, full: dict[str, float]) -> list[dict[str, Any]]:
     # steady-state capacity from 4,000 requests (400 have a heavy drain tail that understates it)
     big = generate_workload("sharegpt", 4000, math.inf, args.seed, 2048)
-    cap_rps = sim_bound(big) / float(np.mean([r.input_tokens + r.output_tokens for r in big]))
+    cap_rps = sim_bound(big, args.scenario) / float(np.mean([r.input_tokens + r.output_tokens for r in big]))
     rng = np.random.default_rng(args.seed + 1000)
     rows = []
     for kind, mult in (("unloaded", 0.3), ("overload", 1.5)):
@@ -363,7 +364,9 @@ def _overload_rows(args: argparse.Namespace, full: dict[str, float]) -> list[dic
         adm = {"classes": CLASSES, "tenants": {"a": 3, "b": 1}, "full": full}
         runs = [("default + queue", adm)] + ([("default", OFF)] if kind == "overload" else [])
         for label, a in runs:
-            result = asyncio.run(run(label, "default", a, w, heads, args.overload_speedup))
+            result = asyncio.run(
+                run(label, "default", a, w, heads, args.overload_speedup, scenario=args.scenario)
+            )
             row = summarise(result, w, heads, args.overload_s)
             row.update(kind=kind, rate_rps=mult * cap_rps)
             rows.append(row)
@@ -407,7 +410,7 @@ def markdown(args: argparse.Namespace, rows: list[dict[str, Any]], elapsed_s: fl
             )
     if not args.skip_overload:
         runs.append(
-            f"overload on paper-a: 1.5× capacity for {args.overload_s:g} model s, speedup "
+            f"overload on {args.scenario}: 1.5× capacity for {args.overload_s:g} model s, speedup "
             f"{args.overload_speedup:g}"
         )
     lines = [
@@ -442,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--full", default="", help="admission.full overrides: seqs_high_water_frac=1.1,...")
     ap.add_argument("--skip-overload", action="store_true")
     ap.add_argument("--skip-inf", action="store_true")
-    ap.add_argument("--scenario", default="paper-a", help="rate-∞ runs: paper-a, paper-b or mixed")
+    ap.add_argument("--scenario", default="paper-a", help="the fleet: paper-a, paper-b or mixed")
     ap.add_argument(
         "--no-stream", dest="stream", action="store_false", help="rate-∞ runs: non-streaming requests"
     )
