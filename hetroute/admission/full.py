@@ -106,23 +106,31 @@ class ObservedSeqs:
     """Each backend's sequence limit as its engine shows it, for backends whose ``max_num_seqs`` no
     config, profile or prior gives.
 
-    An engine that reports waiting requests at a scrape could not start them. If its KV cache was not
-    the bound then (usage below :data:`KV_BOUND_FRAC`, or not reported), the requests it was running
-    are its sequence limit (``max_num_seqs``); when the cache was the bound the KV test is the one
-    that applies, and the scrape teaches nothing here (a limit learned then would lock the backend
-    at the batch a few long prompts allowed). The limit used is the largest running count seen so,
-    plus one. Keyed by backend name and URL (a backend replaced at the same name starts afresh); a
-    scrape is read once (by its ``scraped_at_s``)."""
+    An engine that reports waiting requests could not start them. If its KV cache was not the bound
+    (usage below :data:`KV_BOUND_FRAC`, or not reported) and two scrapes in a row show the same
+    running count R with requests waiting, R is its sequence limit (``max_num_seqs``), and the limit
+    used is R + 1. One scrape is not enough: right after a burst of dispatches an engine shows
+    requests waiting that it starts at its next steps (vLLM admits new prompts up to a per-step token
+    budget), and a limit learned from that moment held a backend at 110 of its 256 sequences for a
+    whole run. When the KV cache was the bound, the KV test is the one that applies and the scrape
+    teaches nothing (a limit learned then would lock the backend at the batch a few long prompts
+    allowed). A limit is dropped again when two scrapes in a row show the engine running at least R
+    with nothing waiting: it ran all the router allowed and could have run more, so the router lets
+    more through until the engine queues again. Keyed by backend name and URL (a backend replaced at
+    the same name starts afresh); a scrape is read once (by its ``scraped_at_s``)."""
 
     def __init__(self) -> None:
         self._seen: dict[tuple[str, str], float] = {}
         self._read_at: dict[tuple[str, str], float] = {}
+        self._last: dict[tuple[str, str], tuple[bool, float]] = {}
+        """The previous scrape read per backend: (requests waiting, running count); absent when it
+        taught nothing (KV-bound, or neither queued nor at the limit)."""
 
     def limits(
         self, router: Router, models: BackendModels, snapshot: ClusterSnapshot, idx: IntArray
     ) -> FloatArray:
         """Per backend of ``idx``: the static ``max_num_seqs`` where known, else the observed limit
-        (∞ while no scrape has shown a queue)."""
+        (∞ while no two scrapes in a row have shown the same queue)."""
         static = models.max_num_seqs[idx]
         if np.isfinite(static).all():  # every limit configured: nothing to observe (the usual case)
             return static
@@ -135,12 +143,26 @@ class ObservedSeqs:
             m = snapshot.metrics[i]
             if m is not None and self._read_at.get(name) != m.scraped_at_s:
                 self._read_at[name] = m.scraped_at_s
-                kv_bound = m.kv_usage_frac is not None and m.kv_usage_frac >= KV_BOUND_FRAC
-                if m.num_requests_waiting and m.num_requests_running and not kv_bound:
-                    self._seen[name] = max(self._seen.get(name, 0.0), m.num_requests_running)
+                self._read(name, m)
             seen = self._seen.get(name)
             out[k] = math.inf if seen is None else seen + 1.0
         return out
+
+    def _read(self, name: tuple[str, str], m: EngineMetrics) -> None:
+        """Update backend ``name``'s limit from one new scrape (see the class docstring)."""
+        running, waiting = m.num_requests_running, m.num_requests_waiting
+        kv_bound = m.kv_usage_frac is not None and m.kv_usage_frac >= KV_BOUND_FRAC
+        last = self._last.pop(name, None)
+        seen = self._seen.get(name)
+        if running and waiting and not kv_bound:
+            if last == (True, running):
+                self._seen[name] = running
+            self._last[name] = (True, running)
+        elif running and not waiting and seen is not None and running >= seen:
+            if last is not None and not last[0]:
+                del self._seen[name]
+            else:
+                self._last[name] = (False, running)
 
 
 class Placer:

@@ -73,10 +73,22 @@ def place_all(placer: Placer, n: int, start: int = 0) -> list[Ticket]:
     return tickets
 
 
+def limit_of(router: Router, placer: Placer) -> float:
+    idx = np.array(router.serving("m", "openai"), dtype=np.int64)
+    return float(placer.observed_seqs.limits(router, placer.models, router.snapshot(), idx)[0])
+
+
+def see(router: Router, placer: Placer, scrapes: Scrapes, running: float, waiting: float) -> float:
+    """One scrape, read as the queue reads it at its next placement; the limit after it."""
+    scrapes.publish(0, running=running, waiting=waiting)
+    return limit_of(router, placer)
+
+
 def test_a_queue_seen_at_a_scrape_sets_the_limit_and_a_finish_reopens_the_backend() -> None:
     router, placer, scrapes = make()
     tickets = place_all(placer, 6)  # nothing known: neither a sequence limit nor a queue seen
-    scrapes.publish(0, running=4.0, waiting=2.0)  # the engine could start only 4 of the 6
+    see(router, placer, scrapes, 4.0, 2.0)  # the engine could start only 4 of the 6 ...
+    assert see(router, placer, scrapes, 4.0, 2.0) == 5.0  # ... and still only 4 at the next scrape
     assert placer.place(feats(6), 1, CLASS) is None  # 6 in flight > 4 + 1: full
     router.release(tickets.pop())
     assert placer.place(feats(7), 1, CLASS) is None  # 5 = limit 4 + 1: still full
@@ -89,20 +101,46 @@ def test_a_queue_seen_at_a_scrape_sets_the_limit_and_a_finish_reopens_the_backen
     assert router.ledger.is_zero()
 
 
-def test_the_observed_limit_grows_by_one_per_scrape_that_shows_a_queue() -> None:
+def test_the_observed_limit_follows_the_running_count_two_scrapes_confirm() -> None:
     router, placer, scrapes = make()
     tickets = place_all(placer, 4)
-    scrapes.publish(0, running=3.0, waiting=1.0)
+    see(router, placer, scrapes, 3.0, 1.0)
+    assert see(router, placer, scrapes, 3.0, 1.0) == 4.0
     assert placer.place(feats(4), 1, CLASS) is None  # limit 3 + 1 reached
-    scrapes.publish(0, running=4.0, waiting=0.0)  # no queue: says nothing of the limit
+    # once at the limit with nothing waiting: not yet a contradiction
+    assert see(router, placer, scrapes, 4.0, 0.0) == 4.0
     assert placer.place(feats(5), 1, CLASS) is None
-    scrapes.publish(0, running=4.0, waiting=1.0)  # the engine ran one more: the limit follows
+    assert see(router, placer, scrapes, 4.0, 1.0) == 4.0  # the engine ran one more ...
+    assert see(router, placer, scrapes, 4.0, 1.0) == 5.0  # ... at two scrapes in a row: the limit follows
     tickets += place_all(placer, 1, start=6)
     assert placer.place(feats(7), 1, CLASS) is None  # 5 in flight = 4 + 1
-    idx = np.array(router.serving("m", "openai"), dtype=np.int64)
-    assert placer.observed_seqs.limits(router, placer.models, router.snapshot(), idx).tolist() == [5.0]
     for t in tickets:
         router.release(t)
+
+
+def test_a_queue_seen_once_during_a_ramp_sets_no_limit_and_a_contradicted_limit_is_dropped() -> None:
+    """A burst of dispatches shows a queue the engine works off at its next steps (vLLM admits new
+    prompts up to a per-step token budget): one such scrape, or two with a growing running count,
+    must not cap the backend (a real run was held at 110 of 256 sequences). A limit the engine then
+    exceeds with nothing waiting, at two scrapes in a row, is dropped."""
+    router, placer, scrapes = make()
+    tickets = place_all(placer, 12)
+    assert see(router, placer, scrapes, 5.0, 7.0) == np.inf
+    assert see(router, placer, scrapes, 9.0, 3.0) == np.inf  # still ramping up: no limit
+    assert see(router, placer, scrapes, 12.0, 0.0) == np.inf  # it started them all
+    tickets += place_all(placer, 4, start=12)  # so more get through
+    assert see(router, placer, scrapes, 12.0, 4.0) == np.inf
+    assert see(router, placer, scrapes, 12.0, 4.0) == 13.0  # a queue at the same count twice
+    for t in tickets[13:]:
+        router.release(t)
+    tickets = tickets[:13]
+    assert placer.place(feats(16), 1, CLASS) is None  # 13 in flight = 12 + 1
+    assert see(router, placer, scrapes, 13.0, 0.0) == 13.0  # the engine runs all 13, nothing waits ...
+    assert see(router, placer, scrapes, 13.0, 0.0) == np.inf  # ... twice: it could run more
+    tickets += place_all(placer, 2, start=20)  # more than the old limit gets through
+    for t in tickets:
+        router.release(t)
+    assert router.ledger.is_zero()
 
 
 def test_a_queue_behind_a_full_kv_cache_teaches_no_sequence_limit() -> None:
@@ -145,7 +183,8 @@ def test_an_explicit_engine_waiting_max_tolerates_that_many_queued_requests() ->
 def test_a_backend_replaced_at_the_same_name_starts_without_the_old_limit() -> None:
     router, placer, scrapes = make()
     tickets = place_all(placer, 4)
-    scrapes.publish(0, running=3.0, waiting=1.0)
+    see(router, placer, scrapes, 3.0, 1.0)
+    see(router, placer, scrapes, 3.0, 1.0)
     idx = np.array([0], dtype=np.int64)
     assert placer.observed_seqs.limits(router, placer.models, router.snapshot(), idx).tolist() == [4.0]
     for t in tickets:
