@@ -118,11 +118,11 @@ def test_the_observed_limit_follows_the_running_count_two_scrapes_confirm() -> N
         router.release(t)
 
 
-def test_a_queue_seen_once_during_a_ramp_sets_no_limit_and_a_contradicted_limit_is_dropped() -> None:
+def test_a_queue_seen_once_during_a_ramp_sets_no_limit_and_a_contradicted_limit_grows() -> None:
     """A burst of dispatches shows a queue the engine works off at its next steps (vLLM admits new
     prompts up to a per-step token budget): one such scrape, or two with a growing running count,
     must not cap the backend (a real run was held at 110 of 256 sequences). A limit the engine then
-    exceeds with nothing waiting, at two scrapes in a row, is dropped."""
+    reaches with nothing waiting, at two scrapes in a row, grows by an eighth."""
     router, placer, scrapes = make()
     tickets = place_all(placer, 12)
     assert see(router, placer, scrapes, 5.0, 7.0) == np.inf
@@ -136,8 +136,9 @@ def test_a_queue_seen_once_during_a_ramp_sets_no_limit_and_a_contradicted_limit_
     tickets = tickets[:13]
     assert placer.place(feats(16), 1, CLASS) is None  # 13 in flight = 12 + 1
     assert see(router, placer, scrapes, 13.0, 0.0) == 13.0  # the engine runs all 13, nothing waits ...
-    assert see(router, placer, scrapes, 13.0, 0.0) == np.inf  # ... twice: it could run more
+    assert see(router, placer, scrapes, 13.0, 0.0) == 15.0  # ... twice: it could run more (12 + 2 + 1)
     tickets += place_all(placer, 2, start=20)  # more than the old limit gets through
+    assert placer.place(feats(22), 1, CLASS) is None  # and no more than the new one
     for t in tickets:
         router.release(t)
     assert router.ledger.is_zero()
