@@ -78,7 +78,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "spreads new connections across them; Linux only; overrides server.workers, default 1). "
             "Each keeps its own ledger and learns from its own traffic only; they see each other's "
             "load through the engines' scraped metrics (scrape.foreign_load). /admin, /metrics and "
-            "/health answer for the one worker a connection reaches"
+            "/health answer for the one worker a connection reaches. A worker that dies is started "
+            "again, at most server.worker_restarts (default 5) times in 60 s"
         ),
     )
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
