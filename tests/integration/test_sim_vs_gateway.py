@@ -5,20 +5,34 @@ Here 150 ShareGPT-like requests at 24 req/s on ``paper-a`` (the load at which RR
 instance) go through the real gateway in front of two in-process emulators running 2.5× faster than real
 time (6-8 s wall per policy, about 0.9 s of CPU, so the run keeps pace even when other jobs share the
 cores), and the throughput, (input + output tokens) / makespan in virtual seconds, must agree with the
-simulator's within 5 %. Measured on the 2-core dev machine: within 0.1-2 %."""
+simulator's within 5 %. Measured on the 2-core dev machine: within 0.1-2 %.
+
+Wall-clock timing on a shared machine can be starved (once in CI, right after the real-engine set-up:
+-5.4 %), so a gateway run outside the tolerance is repeated once and the repeat must agree: a real
+disagreement fails both."""
 
 from __future__ import annotations
 
 import pytest
 
-from hetroute.sim.cluster_file import build_fleet
+from hetroute.sim.cluster_file import Fleet, build_fleet
 from hetroute.sim.scenarios import get_scenario
-from hetroute.sim.workload import generate_workload
+from hetroute.sim.workload import SimRequest, generate_workload
 from hetroute.simulation import crosscheck
 from hetroute.simulation.simulator import run_simulation
 
 
-@pytest.mark.timeout(60)
+async def _gateway_within(
+    fleet: Fleet, work: list[SimRequest], policy: str, sim: crosscheck.Measured, rel: float
+) -> crosscheck.Measured:
+    """The gateway's run of ``work``; a second run when the first is outside ``rel`` of ``sim``."""
+    gateway = await crosscheck.run_gateway(fleet, work, policy, {}, speedup=2.5)
+    if gateway.throughput_tokens_per_s != pytest.approx(sim.throughput_tokens_per_s, rel=rel):
+        gateway = await crosscheck.run_gateway(fleet, work, policy, {}, speedup=2.5)
+    return gateway
+
+
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("policy", ["round_robin", "weighted_round_robin"])
 async def test_gateway_and_simulator_agree_on_throughput(policy: str) -> None:
     cc = crosscheck
@@ -27,7 +41,7 @@ async def test_gateway_and_simulator_agree_on_throughput(policy: str) -> None:
         "sharegpt", 150, 24.0, seed=0, max_model_len=fleet.max_model_len(), send_max_tokens=True
     )
     sim = cc.run_simulator(fleet, work, policy, {})
-    gateway = await cc.run_gateway(fleet, work, policy, {}, speedup=2.5)
+    gateway = await _gateway_within(fleet, work, policy, sim, 0.05)
     assert gateway.tokens == sim.tokens == sum(r.input_tokens + r.output_tokens for r in work)
     assert dict(gateway.per_backend) == dict(sim.per_backend)  # the same routing decisions
     assert gateway.throughput_tokens_per_s == pytest.approx(sim.throughput_tokens_per_s, rel=0.05), (
@@ -41,7 +55,7 @@ async def test_gateway_and_simulator_agree_on_throughput(policy: str) -> None:
     assert abs(other.throughput_tokens_per_s / sim.throughput_tokens_per_s - 1) > 0.15
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 async def test_gateway_and_simulator_agree_on_a_shared_prefix_workload() -> None:
     """Shared system prompts: the emulators cache the rendered prompt text's blocks as the simulated
     engines cache the segments' blocks, so decisions and throughput agree as without sharing."""
@@ -53,7 +67,7 @@ async def test_gateway_and_simulator_agree_on_a_shared_prefix_workload() -> None
     sim = cc.run_simulator(fleet, work, "round_robin", {})
     cached = run_simulation(fleet, work, "round_robin", {}).extra
     assert cached["prefix_cache_hits_tokens"] > 0.5 * cached["prefix_cache_queries_tokens"]  # it is shared
-    gateway = await cc.run_gateway(fleet, work, "round_robin", {}, speedup=2.5)
+    gateway = await _gateway_within(fleet, work, "round_robin", sim, 0.05)
     assert dict(gateway.per_backend) == dict(sim.per_backend)
     assert gateway.throughput_tokens_per_s == pytest.approx(sim.throughput_tokens_per_s, rel=0.05), (
         f"event-loop lag p99 {gateway.loop_lag_p99_s * 1e3:.1f} ms"
