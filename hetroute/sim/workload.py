@@ -58,7 +58,9 @@ class SimRequest:
     ``segments`` describes the prompt's content for prefix caching (``hetroute.prefix.hashing``): when
     given, their tokens sum to ``input_tokens`` and two requests share cached KV blocks exactly where
     their segments agree; empty means content shared with no other request. ``session`` names the
-    conversation or user the request belongs to ("" = none): the session-affinity hint.
+    conversation or user the request belongs to ("" = none): the session-affinity hint. ``stream``
+    False models a non-streaming client: the router sees no first token and no generated tokens
+    before the whole answer (the engine works the same).
     """
 
     request_id: str
@@ -69,6 +71,7 @@ class SimRequest:
     model: str = ""
     segments: tuple[Segment, ...] = ()
     session: str = ""
+    stream: bool = True
 
 
 # Quantile knots (probability, tokens) of the Azure LLM inference 2023 traces.

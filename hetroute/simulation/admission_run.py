@@ -90,6 +90,7 @@ class AdmittedRun(Run):
             self.queue.offer(features, class_index, tenant, k, now_s)
         except Shed as shed:
             self.shed[shed.reason] += 1
+            self.open_requests -= 1
             return []
         return self._pump(now_s)
 
@@ -110,6 +111,7 @@ class AdmittedRun(Run):
         for entry in queue.expire(now_s):
             self.queue_wait_s[entry.payload] = now_s - entry.enqueued_s
             self.shed["wait_timeout"] += 1
+            self.open_requests -= 1
         self._flush_generated()
         result = queue.pump(now_s, self.placer.place)
         events: Events = []

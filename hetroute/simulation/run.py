@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +81,7 @@ def _metrics_of(engine: EngineModel, flavour: str, now_s: float) -> EngineMetric
 
 _SLOWDOWN = 4
 WAKE = 5
+_ADMIT = 6  # an arrival the client held back (``client_connections``) goes out now
 """An admission queue's timer (admission_run.py): the one event kind a subclass schedules."""
 
 
@@ -138,6 +140,12 @@ class Run:
         self.cached: list[EngineMetrics | None] = [None] * len(self.engines)
         self.rejected = 0
         self.arrivals_left = n
+        self.client_connections = 0
+        """At most this many requests open at the client at once (0: no limit): an arrival beyond it
+        waits in the client until an answer (or a refusal) frees a connection, as a benchmark client
+        with a connection pool sends (``benchmarks/admission_gateway.py --client-connections``)."""
+        self.open_requests = 0
+        self.held: deque[int] = deque()
 
     def latest_metrics(self, i: int) -> EngineMetrics | None:
         if self.scrape_interval_s > 0:
@@ -186,7 +194,7 @@ class Run:
             input_tokens=req.input_tokens,
             max_tokens=req.max_tokens,
             predicted_output_tokens=int(predicted),
-            stream=True,
+            stream=req.stream,
             prefix_hashes=segment_block_hashes(req.segments, ROUTER_CHUNK_TOKENS)
             if req.segments and self.router.prefix is not None  # no index: nothing would read them
             else (),
@@ -221,6 +229,7 @@ class Run:
         except PromptTooLong:
             self.router_of(k).release(ticket)
             self.rejected += 1
+            self.open_requests -= 1
             return []
         if start and self.pending[e] is None:
             return self._start_step(e, now_s)
@@ -240,22 +249,30 @@ class Run:
         self.pending[e] = None
         assert outcome is not None
         index_of = self.index_of
+        workload = self.workload
         for ev in outcome.emitted:
             k = index_of[ev.request_id]
             self.generated[k] += ev.tokens
-            self.dirty.add(k)
+            streamed = workload[k].stream  # a non-streaming answer shows the gateway nothing before its end
+            if streamed:
+                self.dirty.add(k)
             if ev.first:
-                ticket = self.tickets[k]
-                assert ticket is not None
-                self.router_of(k).ledger.first_token(ticket, now_s)
-                self.ttft_s[k] = now_s - self.workload[k].arrival_s
+                if streamed:
+                    ticket = self.tickets[k]
+                    assert ticket is not None
+                    self.router_of(k).ledger.first_token(ticket, now_s)
+                self.ttft_s[k] = now_s - workload[k].arrival_s
         for rid in outcome.finished:
+            self.open_requests -= 1
             k = index_of[rid]
             ticket = self.tickets[k]
             assert ticket is not None
             router = self.router_of(k)
+            streamed = workload[k].stream
+            if not streamed:
+                router.ledger.first_token(ticket, now_s)  # as the gateway marks a whole answer
             if router.learner is not None:
-                router.complete(ticket, self.generated[k], streamed=True)
+                router.complete(ticket, self.generated[k], streamed=streamed)
             router.release(ticket)
             self.dirty.discard(k)
             req = self.workload[k]
@@ -337,6 +354,13 @@ class Run:
             if kind == _STEP_END:
                 new = self.on_step_end(index, now_s)
             elif kind == _ARRIVAL:
+                if self.client_connections and self.open_requests >= self.client_connections:
+                    self.held.append(index)
+                    new = []
+                else:
+                    self.open_requests += 1
+                    new = self.on_arrival(index, now_s)
+            elif kind == _ADMIT:
                 new = self.on_arrival(index, now_s)
             elif kind == _SCRAPE:
                 new = self.on_scrape(now_s)
@@ -348,5 +372,10 @@ class Run:
                 new = self.on_slowdown(index)
             for t, kd, idx in new:
                 heapq.heappush(heap, (t, kd, seq, idx))
+                seq += 1
+            held = self.held
+            while held and self.open_requests < self.client_connections:
+                self.open_requests += 1
+                heapq.heappush(heap, (now_s, _ADMIT, seq, held.popleft()))
                 seq += 1
         return events

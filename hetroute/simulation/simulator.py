@@ -122,6 +122,7 @@ def run_simulation(
     replicas: int = 1,
     peer_hint: bool = False,
     foreign: ForeignMode = DEFAULT_FOREIGN_MODE,
+    client_connections: int = 0,
 ) -> SimResult:
     """Simulate ``workload`` (sorted by arrival) on ``cluster`` routed by ``policy_name``.
 
@@ -138,7 +139,9 @@ def run_simulation(
     ``replicas`` runs that many routers, each with its own ledger, policy, latency learner and prefix
     index, taking arrivals in turn (request k goes to replica k mod ``replicas``); they share the
     engines' scraped metrics and the output-length predictor. ``foreign`` is how each router counts the
-    requests the others sent (``hetroute.routing.foreign``).
+    requests the others sent (``hetroute.routing.foreign``). ``client_connections`` > 0 models a
+    client with that many connections: an arrival beyond them waits in the client until an answer or
+    a refusal frees one (its times still count from its arrival); 0 sends every request on arrival.
     """
     _check_options(replicas, admission, policy_name, scrape_interval_s)
     fleet = cluster if isinstance(cluster, Fleet) else build_fleet(cluster)
@@ -171,6 +174,9 @@ def run_simulation(
         run = AdmittedRun(
             fleet, workload, router, pred, clock, scrape_interval_s, admission, learner, slowdowns
         )
+    if client_connections < 0:
+        raise ConfigError("client_connections", f"must be >= 0, got {client_connections}")
+    run.client_connections = client_connections
     holder.append(run)
     started = time.perf_counter()
     events = run.run()

@@ -12,6 +12,7 @@ import pytest
 
 from hetroute.admission.config import parse_admission
 from hetroute.commands import simulate as simulate_cmd
+from hetroute.errors import ConfigError
 from hetroute.learning.settings import LearningConfig
 from hetroute.sim.cluster_file import Fleet, blind_fleet, build_fleet
 from hetroute.sim.scenarios import get_scenario
@@ -117,3 +118,33 @@ def test_simulate_command_runs_the_queue_from_a_router_config(
     bad = parser.parse_args([*argv, "--admission", str(tmp_path / "missing.yaml")])
     assert bad.func(bad) == 2
     assert "--admission" in capsys.readouterr().err
+
+
+def test_a_client_with_few_connections_sends_each_request_when_one_frees(paper_a: Fleet) -> None:
+    """``client_connections``: a closed-loop client. With one connection every request waits for the
+    previous answer, so the run lasts exactly the sum of the requests' times alone; times still count
+    from each request's arrival."""
+    work = generate_workload("sharegpt", 6, math.inf, 2, 2048)
+    first = {"backend": paper_a.backends[0].name}
+    one = run_simulation(paper_a, work, "single", first, client_connections=1, prefix=None)
+    assert one.completed == 6 and one.ledger_zero
+    alone = [run_simulation(paper_a, [r], "single", first, prefix=None).makespan_s for r in work]
+    assert one.makespan_s == pytest.approx(sum(alone), rel=1e-9)
+    assert np.all(np.diff(one.e2e_s) > 0)  # served one after another, in order
+    assert one.e2e_s[-1] == pytest.approx(one.makespan_s)
+    free = run_simulation(paper_a, work, "single", first, prefix=None)
+    assert free.makespan_s < 0.5 * one.makespan_s
+    with pytest.raises(ConfigError, match="client_connections"):
+        run_simulation(paper_a, work, "round_robin", client_connections=-1)
+
+
+def test_a_closed_loop_client_behind_a_shedding_queue_gets_every_answer_or_refusal(paper_a: Fleet) -> None:
+    """Refusals free the client's connections too: with a queue that sheds, nothing waits forever."""
+    work = generate_workload("sharegpt", 600, math.inf, 4, 2048)
+    cfg = parse_admission(
+        {"classes": [{"name": "default", "max_queue_len": 8, "max_queue_wait_s": 2.0}], "full": {}}
+    )
+    r = run_simulation(paper_a, work, "default", admission=SimAdmission(cfg), client_connections=400)
+    shed = r.extra.get("shed_queue_full", 0.0) + r.extra.get("shed_wait_timeout", 0.0)
+    assert r.completed + shed == len(work) and shed > 0
+    assert r.ledger_zero and r.extra["queue_left"] == 0.0

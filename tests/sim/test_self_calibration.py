@@ -60,6 +60,25 @@ def test_nothing_known_learns_its_way_to_the_profiled_throughput_and_tails(paper
     assert learned.learned is not None and learned.learned.prior_of(0).kind == "neutral"
 
 
+def test_non_streaming_clients_teach_the_learner_from_whole_answers_only(paper_a: Fleet) -> None:
+    """A non-streaming answer shows the router no first token and no tokens before its end (the
+    simulator models that client as the gateway sees it): the learner fits on e2e alone and still
+    recovers the profiled throughput."""
+    workload = generate_workload("sharegpt", 1500, 24.0, 1, paper_a.max_model_len())
+    whole = [replace(r, stream=False) for r in workload]
+    known = run_simulation(paper_a, workload, "default", seed=1)
+    learned = run_simulation(nothing_known(paper_a), whole, "default", seed=1, learning=LearningConfig())
+    assert learned.ledger_zero and learned.completed == known.completed
+    assert learned.throughput_tokens_per_s >= 0.97 * known.throughput_tokens_per_s
+    assert learned.learned is not None
+    for i in range(len(paper_a.backends)):
+        mape = learned.learned.describe(i)["fit_mape"]
+        assert isinstance(mape, dict) and mape["ttft"] is None and mape["e2e"] is not None, mape
+    streamed = run_simulation(nothing_known(paper_a), workload, "default", seed=1, learning=LearningConfig())
+    assert streamed.learned is not None
+    assert all(streamed.learned.describe(i)["fit_mape"]["ttft"] is not None for i in range(2))  # type: ignore[index]
+
+
 @pytest.mark.parametrize("factors", [(2.0, 0.5), (0.5, 2.0)], ids=["fast-thought-slow", "fast-thought-fast"])
 def test_a_prior_twice_too_slow_or_too_fast_is_corrected(
     paper_a: Fleet, factors: tuple[float, float]
