@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -294,7 +295,7 @@ def _inf_rows(args: argparse.Namespace, full: dict[str, float]) -> list[dict[str
         runs = [r for r in runs if r[0] in wanted]
     rows = []
     for label, policy, adm, known in runs:
-        sim = sim_run(work, args.scenario, policy, adm, known)
+        sim = sim_run(work, args.scenario, policy, adm, known, args.stream, args.client_connections)
         if args.sim_only:
             row: dict[str, Any] = {"label": label, "throughput_tokens_s": math.nan}
         else:
@@ -325,10 +326,18 @@ def _inf_rows(args: argparse.Namespace, full: dict[str, float]) -> list[dict[str
 
 
 def sim_run(
-    work: Sequence[SimRequest], scenario: str, policy: str, admission: dict[str, Any], known: bool
+    work: Sequence[SimRequest],
+    scenario: str,
+    policy: str,
+    admission: dict[str, Any],
+    known: bool,
+    stream: bool = True,
+    client_connections: int = 0,
 ) -> float:
     """The simulator's throughput for the same requests and the same router set-up: the fleet with
-    its GPUs and TPs named (``known``) or stripped of them, learning on (the gateway's default)."""
+    its GPUs and TPs named (``known``) or stripped of them, learning on (the gateway's default);
+    ``stream`` False: non-streaming clients (the router sees each answer only whole);
+    ``client_connections``: the client's connection pool, as in the gateway run (0: none)."""
     from hetroute.admission.config import parse_admission
     from hetroute.learning.settings import LearningConfig
     from hetroute.sim.cluster_file import blind_fleet
@@ -336,10 +345,20 @@ def sim_run(
     from hetroute.simulation.simulator import run_simulation
 
     fleet = fleet_of(scenario) if known else blind_fleet(fleet_of(scenario), keep_kv_capacity=False)
+    if not stream:
+        work = [replace(r, stream=False) for r in work]
     adm = SimAdmission(parse_admission(admission)) if admission.get("enabled", True) else None
     logging.disable(logging.WARNING)  # the simulated router's drift notices are not this benchmark's output
     try:
-        r = run_simulation(fleet, work, policy, seed=1, admission=adm, learning=LearningConfig())
+        r = run_simulation(
+            fleet,
+            work,
+            policy,
+            seed=1,
+            admission=adm,
+            learning=LearningConfig(),
+            client_connections=client_connections,
+        )
     finally:
         logging.disable(logging.NOTSET)
     return float(r.throughput_tokens_per_s)
@@ -399,15 +418,17 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], elapsed_s: floa
 def markdown(args: argparse.Namespace, rows: list[dict[str, Any]], elapsed_s: float) -> str:
     """The results table of one invocation (what ran, then one row per run)."""
     runs = []
+    stream = "streamed" if args.stream else "non-streamed"
     if not args.skip_inf and args.sim_only:
-        runs.append(f"rate ∞ on {args.scenario}: {args.requests} requests, simulator only (no processes)")
+        runs.append(
+            f"rate ∞ on {args.scenario}: {args.requests} {stream} requests, simulator only (no processes)"
+        )
     elif not args.skip_inf:
-        stream = "streamed" if args.stream else "non-streamed"
         runs.append(f"rate ∞ on {args.scenario}: {args.requests} {stream} requests, speedup {args.speedup:g}")
-        if args.client_connections:
-            runs.append(
-                f"the client holds at most {args.client_connections} connections open (the rest wait in it)"
-            )
+    if not args.skip_inf and args.client_connections:
+        runs.append(
+            f"the client holds at most {args.client_connections} connections open (the rest wait in it)"
+        )
     if not args.skip_overload:
         runs.append(
             f"overload on {args.scenario}: 1.5× capacity for {args.overload_s:g} model s, speedup "
@@ -447,7 +468,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--skip-inf", action="store_true")
     ap.add_argument("--scenario", default="paper-a", help="the fleet: paper-a, paper-b or mixed")
     ap.add_argument(
-        "--no-stream", dest="stream", action="store_false", help="rate-∞ runs: non-streaming requests"
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="rate-∞ runs: non-streaming requests (in the simulator's column too)",
     )
     ap.add_argument(
         "--sim-only", action="store_true", help="rate-∞ runs: only the simulator's figures (no processes)"
@@ -457,7 +481,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=0,
         help="rate-∞ runs: at most this many open client connections, the rest wait in the client "
-        "(0: one per request; a 20,000-request run needs a cap below the open-file limit)",
+        "(0: one per request; a 20,000-request run needs a cap below the open-file limit); the "
+        "simulator's column models the same client",
     )
     ap.add_argument("--inf-runs", default="", help="only these rate-∞ runs (labels, separated by ;)")
     ap.add_argument("--out", type=Path, default=RESULTS)
