@@ -220,7 +220,10 @@ class Placer:
         if not full[cands.index(decision.index)]:
             return router.commit(features, decision, snap)
         spill, snap = router.decide(features, exclude=idx[full].tolist())
-        if self._finishes_in_time(features, snap, idx[full], spill.index, decision.index, waiting):
+        in_time = self._finishes_in_time(
+            features, snap, idx[full], spill.index, decision.index, waiting, limits[full]
+        )
+        if in_time:
             return router.commit(features, spill, snap)
         return None
 
@@ -228,13 +231,14 @@ class Placer:
         """Predicted TTFT on each backend of ``idx``: the prompts queued before it (``p1 · P_s``),
         its own prefill, and one decode step of the running batch (method.md §3)."""
         models = self.models
+        learned = snap.latency_params
         n = snap.requests_in_flight[idx].astype(np.float64)
         context = np.where(n > 0, snap.kv_tokens_in_flight[idx] / np.maximum(n, 1.0), 0.0)
-        p = models.params[idx]
+        p = models.rows(idx, learned)
         step = p[:, 4] * n * context + p[:, 5] * n + p[:, 6] * context + p[:, 7]
         out: FloatArray = (
-            models.prefill_queue_s(idx, snap.prefill_pending_tokens[idx])
-            + models.prefill_s(idx, features.input_tokens)
+            models.prefill_queue_s(idx, snap.prefill_pending_tokens[idx], learned)
+            + models.prefill_s(idx, features.input_tokens, learned)
             + np.where(n > 0, np.maximum(step, 0.0), 0.0)
         )
         return out
@@ -247,13 +251,18 @@ class Placer:
         spill: int,
         first: int,
         waiting: int,
+        full_seqs: FloatArray | None = None,
     ) -> bool:
         models = self.models
+        learned = snap.latency_params  # the live-learned model where the router learns (else None)
         i, o = features.input_tokens, features.predicted_output_tokens
-        amortised = models.amortised_request_s(full, i, o, models.capacity_tokens(snap, full))
+        capacity = models.capacity_tokens(snap, full)
+        amortised = models.amortised_request_s(full, i, o, capacity, learned, max_num_seqs=full_seqs)
         rate = float(np.sum(1.0 / np.maximum(amortised, 1e-9)))
         pair: IntArray = np.array([spill, first], dtype=np.int64)
         n = snap.requests_in_flight[pair].astype(np.float64)
         context = np.where(n > 0, snap.kv_tokens_in_flight[pair] / np.maximum(n, 1.0), 0.0)
-        lat = models.request_latency_s(pair, i, o, n + 1.0, context)
+        lat = models.request_latency_s(pair, i, o, n + 1.0, context, learned) + models.prefill_queue_s(
+            pair, snap.prefill_pending_tokens[pair], learned
+        )
         return bool(self.config.spill_margin * lat[0] <= max(waiting, 1) / rate + lat[1])

@@ -259,18 +259,22 @@ class BackendModels:
         capacity_tokens: FloatArray,
         params: FloatArray | None = None,
         cached_tokens: FloatArray | None = None,
+        max_num_seqs: FloatArray | None = None,
     ) -> FloatArray:
         """T_r^s (Eq. 5-6) for each backend in ``idx``; ``capacity_tokens`` aligned with ``idx``.
 
         ``params`` (n×8) replaces the static p1..p8 when given: the snapshot's ``latency_params``.
         ``cached_tokens`` (aligned with ``idx``) are prompt tokens expected in each backend's prefix
         cache: the prefill terms (p1·b·I, p3·I) count only I − cached, the KV terms the whole prompt.
+        ``max_num_seqs`` (aligned with ``idx``) replaces the static sequence limits (a limit the
+        admission queue saw the engine keep, where none is configured).
         """
         i = float(max(input_tokens, 0))
         iu = _uncached(i, cached_tokens)
         o = float(max(output_tokens, 0))
         per_request = max(1.0, i + o)
-        b = np.minimum(np.maximum(np.floor(capacity_tokens / per_request), 1.0), self.max_num_seqs[idx])
+        seqs = self.max_num_seqs[idx] if max_num_seqs is None else max_num_seqs
+        b = np.minimum(np.maximum(np.floor(capacity_tokens / per_request), 1.0), seqs)
         p = self.rows(idx, params)
         s = o * i + o * (o + 1.0) / 2.0
         total = (

@@ -196,3 +196,42 @@ def test_a_backend_replaced_at_the_same_name_starts_without_the_old_limit() -> N
     )
     limits = placer.observed_seqs.limits(other, placer.models, other.snapshot(), idx)
     assert limits.tolist() == [np.inf]
+
+
+def test_the_spill_test_prices_the_learned_latency_model_not_the_static_prior() -> None:
+    """Nothing known of `slow` (no GPU: the neutral default, 20 ms a step). What the learner has
+    learned of it decides whether a long request spills there: learned 5 s a step, it waits for the
+    full `fast` backend; learned as the default, it goes. (The spill test once read the static
+    prior only: the neutral default under-priced a learned slow backend 4-8×.)"""
+    from hetroute.learning.live import LiveModels, PriorModel
+    from hetroute.learning.settings import LearningConfig
+    from hetroute.policies.backend_model import BackendModels
+
+    fast = replace(spec("fast", models=("Llama-3-8B",)), gpu="H100-SXM", tp=1, max_num_seqs=1)
+    slow = replace(spec("slow", models=("Llama-3-8B",)), max_num_seqs=64)
+    backends = [fast, slow]
+    static = BackendModels.from_specs(backends).params
+    fast_p = tuple(float(v) for v in static[0])
+    neutral = tuple(float(v) for v in static[1])
+    assert neutral[7] == 0.02 and neutral[4:7] == (0.0, 0.0, 0.0)  # the default nothing-known model
+
+    def outcome(slow_learned: tuple[float, ...]) -> str | None:
+        priors = [PriorModel(fast_p, "roofline", "roofline"), PriorModel(neutral, "default", "neutral")]
+        learner = LiveModels(
+            ["fast", "slow"], priors, [1e6, 1e6], [1.0, 64.0], LearningConfig(), [fast_p, slow_learned]
+        )
+        router = Router(
+            backends,
+            build_policy("default", {}, PolicyContext(tuple(backends))),
+            Ledger(["fast", "slow"]),
+            ManualClock(),
+            learner=learner,
+        )
+        placer = Placer(router, FullConfig())
+        first = placer.place(RequestFeatures("r0", "Llama-3-8B", "openai", 1000, 2000, 2000), 1, CLASS)
+        assert first is not None and first.backend_name == "fast"
+        ticket = placer.place(RequestFeatures("r1", "Llama-3-8B", "openai", 1000, 2000, 2000), 100, CLASS)
+        return None if ticket is None else ticket.backend_name
+
+    assert outcome((*neutral[:7], 5.0)) is None  # 2,000 steps of 5 s: `fast` frees long before
+    assert outcome(neutral) == "slow"

@@ -106,6 +106,17 @@ def test_vectorised_amortised_time_matches_the_profile_formula(i: int, o: int) -
     assert got == pytest.approx(want, rel=1e-12)
 
 
+def test_an_observed_sequence_limit_replaces_the_static_one_in_the_amortised_time() -> None:
+    """``max_num_seqs`` (the admission queue's observed limits) caps the saturated batch b of Eq. 5-6:
+    a backend seen running 8 sequences amortises over 8, not over what its KV cache would hold."""
+    models = BackendModels(TWO)
+    caps = np.array([800_000.0, 100_000.0])
+    free = models.amortised_request_s(BOTH, 200, 100, caps)
+    capped = models.amortised_request_s(BOTH, 200, 100, caps, max_num_seqs=np.array([8.0, 256.0]))
+    assert capped[1] == free[1]  # its static limit (256): as before
+    assert capped[0] > 2 * free[0]  # far fewer sequences to share the step with
+
+
 def test_fallbacks_prior_then_neutral_and_description() -> None:
     prior_prof = profile(SLOW, 50_000, max_num_seqs=128)
 
