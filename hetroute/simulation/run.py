@@ -81,8 +81,8 @@ def _metrics_of(engine: EngineModel, flavour: str, now_s: float) -> EngineMetric
 
 _SLOWDOWN = 4
 WAKE = 5
-_ADMIT = 6  # an arrival the client held back (``client_connections``) goes out now
 """An admission queue's timer (admission_run.py): the one event kind a subclass schedules."""
+_ADMIT = 6  # an arrival the client held back (``client_connections``) goes out now
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,14 +268,13 @@ class Run:
             ticket = self.tickets[k]
             assert ticket is not None
             router = self.router_of(k)
-            streamed = workload[k].stream
-            if not streamed:
+            req = workload[k]
+            if not req.stream:
                 router.ledger.first_token(ticket, now_s)  # as the gateway marks a whole answer
             if router.learner is not None:
-                router.complete(ticket, self.generated[k], streamed=streamed)
+                router.complete(ticket, self.generated[k], streamed=req.stream)
             router.release(ticket)
             self.dirty.discard(k)
-            req = self.workload[k]
             self.e2e_s[k] = now_s - req.arrival_s
             self.last_finish_s[e] = now_s
             self.predictor.observe(req.model or self.fleet.default_model, req.input_tokens, self.generated[k])

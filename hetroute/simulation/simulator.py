@@ -144,6 +144,8 @@ def run_simulation(
     a refusal frees one (its times still count from its arrival); 0 sends every request on arrival.
     """
     _check_options(replicas, admission, policy_name, scrape_interval_s)
+    if client_connections < 0:
+        raise ConfigError("client_connections", f"must be >= 0, got {client_connections}")
     fleet = cluster if isinstance(cluster, Fleet) else build_fleet(cluster)
     _check_workload(fleet, workload)
     clock = ManualClock(workload[0].arrival_s if workload else 0.0)
@@ -174,8 +176,6 @@ def run_simulation(
         run = AdmittedRun(
             fleet, workload, router, pred, clock, scrape_interval_s, admission, learner, slowdowns
         )
-    if client_connections < 0:
-        raise ConfigError("client_connections", f"must be >= 0, got {client_connections}")
     run.client_connections = client_connections
     holder.append(run)
     started = time.perf_counter()
