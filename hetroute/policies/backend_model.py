@@ -48,10 +48,22 @@ splits saturating load in proportion to KV capacity, which is what routes best a
 putting the prompt cost in p1 instead cost 37 % of throughput on paper-a at rate ∞). Live learning
 starts its fit from ``NEUTRAL_LEARNING_PRIOR`` instead (``hetroute.learning.build``)."""
 
-NEUTRAL_LEARNING_PRIOR = LatencyParams(p1=2e-4, p2=0.0, p3=0.0, p4=0.0, p5=0.0, p6=0.0, p7=0.0, p8=0.02)
+NEUTRAL_LEARNING_PRIOR = LatencyParams(
+    p1=2e-4, p2=0.0, p3=0.0, p4=0.0, p5=1e-2 / (256 * 512), p6=1e-2 / 256, p7=0.0, p8=1e-2
+)
 """The neutral curve the live learner scales: the same 0.2 ms per prompt token, in p1 (prefill is
 compute-bound: a batch of prompts costs per token, and the prefill-queue term ``p1 · P`` is live once
-learned), 20 ms per decode step."""
+learned), and a decode step of 10 ms plus 10 ms per 256 running sequences plus 10 ms per 131,072
+context tokens they hold (30 ms at 256 sequences of 512 tokens, 10 ms for one short one).
+
+The learner mostly fixes a prior's speed (β scales the whole decode curve) and corrects its shape
+only on much evidence (docs/learning.md), so the shape of this curve decides how a backend whose
+traffic always ran at one batch size is priced at another. Decode steps grow with the batch on every
+GPU of the catalog: the roofline priors give 2.0× (H100), 2.6× (A100), 2.2× (L4) and 2.5× (T4) from
+41 to 250 sequences of 600 tokens; this curve 2.3×. A flat 20 ms step, used before, made a backend
+learned at a full batch of 256 look 2-3× slower than it is at a small one: at the end of a backlog the
+router then kept requests queued for the busy fast backend while others stood nearly idle (mixed fleet,
+nothing known, rate ∞ through the gateway: A100s at 40 of 256 sequences with 469 requests queued)."""
 
 NEUTRAL_KV_CAPACITY_TOKENS = 65536.0
 """KV capacity assumed when nothing (profile, metrics, config, prior, other backends) gives one."""

@@ -17,6 +17,7 @@ from hetroute.learning.live import DRIFT_WINDOW, PEER_MIN_SAMPLES, LiveModels, P
 from hetroute.learning.observation import Observation
 from hetroute.learning.settings import LearningConfig
 from hetroute.learning.state import live_profile, load_saved, save_all, state_file
+from hetroute.policies.backend_model import NEUTRAL_LEARNING_PRIOR
 from hetroute.types import BackendSpec
 
 # A "true" backend: prefill 0.1 ms per token in the batch + 20 ms; decode 25 ms + 0.5 ms per sequence
@@ -185,6 +186,37 @@ def test_non_streaming_answers_are_fitted_on_their_e2e() -> None:
     errors = [abs(predict_e2e_s(fit.params, o, CAP, SEQS) / o.e2e_s - 1) for o in obs]
     assert float(np.median(errors)) < 0.05
     assert math.isnan(fit.tpot_mape) and fit.e2e_mape < 0.1
+
+
+def _full_batch(params: tuple[float, ...], n: int, rng: random.Random) -> list[Observation]:
+    """Non-streamed answers that all ran at a full batch of 240-256 sequences of ~600 tokens (rate ∞
+    behind the admission queue): they show the full batch's step and nothing else."""
+    out = []
+    for k in range(n):
+        i, o = rng.randint(20, 1000), rng.randint(2, 600)
+        n1, n2 = float(rng.randint(240, 256)), float(rng.randint(240, 256))
+        obs = Observation(0, k * 0.05, i, o, None, 0.0, 0.0, n1, n1 * 600.0, n2, n2 * 600.0)
+        e2e = predict_e2e_s(params, obs, CAP, SEQS) * (1 + 0.03 * rng.gauss(0, 1))
+        out.append(replace(obs, e2e_s=e2e))
+    return out
+
+
+def test_the_neutral_prior_prices_a_small_batch_as_decode_steps_scale_not_as_the_full_one() -> None:
+    """Traffic that only ever ran at a full batch identifies the full batch's step; the prior's shape
+    decides what a small batch costs (the end of a backlog, where a backend that is not full takes
+    spilled requests). For a backend shaped like the catalog's A100 (step 20 ms at 41 sequences,
+    53 ms at 250), the neutral prior's curve prices 40 sequences within 1.5× of the truth; the flat
+    20 ms step it replaced priced them near the full batch's cost (2.1× too slow here; 1.13× with it)."""
+    a100_like = (1e-4, 0.0, 0.0, 0.02, 7.03e-8, 1.15e-4, 0.0, 0.0137)
+    obs = _full_batch(a100_like, 400, random.Random(6))
+    flat = (2e-4, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.02)
+    for prior, low, high in ((NEUTRAL_LEARNING_PRIOR.as_tuple(), 1 / 1.5, 1.5), (flat, 1.8, 4.0)):
+        fit = _fit(obs, prior)
+        # Both fits reproduce what they saw ...
+        assert _step(fit.params, 248, 600) == pytest.approx(_step(a100_like, 248, 600), rel=0.1)
+        # ... and only the batch-shaped prior extrapolates to a small batch.
+        ratio = _step(fit.params, 40, 600) / _step(a100_like, 40, 600)
+        assert low < ratio < high, (prior, ratio)
 
 
 def test_the_decaying_window_follows_a_change() -> None:
