@@ -90,7 +90,7 @@ class FullConfig:
     kv_output_frac: Annotated[float, Range(minimum=0, maximum=1)] = 1.0
     seqs_high_water_frac: PositiveFloat = 1.0
     max_drain_s: PositiveFloat | None = None
-    spill_margin: PositiveFloat = 2.0
+    spill_margin: PositiveFloat = 1.5
     engine_waiting_max: NonNegativeInt | None = None
 
 

@@ -191,12 +191,16 @@ class Placer:
         among the backends that are not full (the *spill*), and the request goes there only when
         it would finish there before the full backends can work off the backlog:
 
-            spill_margin · lat_s(r) <= waiting / Σ_{f full} 1/T_r^f + lat_c(r)
+            lat_s(r; Õ_s) <= waiting / Σ_{f full} 1/T_r^f + lat_c(r; Õ),   Õ_s = min(m · Õ, max_tokens)
 
-        (``lat``: the cost model's latency of r joining the backend's batch; ``T_r^f``: its
-        amortised time on a saturated f, method.md §5; c the first choice). So under a backlog
-        every backend is kept busy, and when the backlog is short a slow backend does not take
-        a request that a fast one would finish sooner (the drain tail).
+        (``lat``: the cost model's latency of r joining the backend's batch, with the prompts
+        queued ahead of it; ``T_r^f``: its amortised time on a saturated f, method.md §5; c the
+        first choice; m = ``spill_margin``). The spilled request is priced as if it generated m
+        times its predicted output, since a long answer on a slow backend is what ends a run
+        late, but never more than its ``max_tokens``: a request whose limit proves it short may
+        spill late. So under a backlog every backend is kept busy, and when the backlog is short
+        a slow backend does not take a request that a fast one would finish sooner (the drain
+        tail).
 
         A class with ``placement: first_token`` instead goes to the backend, among those that are
         not full, with the smallest predicted time to first token (:meth:`_first_token_s`); the
@@ -262,7 +266,10 @@ class Placer:
         pair: IntArray = np.array([spill, first], dtype=np.int64)
         n = snap.requests_in_flight[pair].astype(np.float64)
         context = np.where(n > 0, snap.kv_tokens_in_flight[pair] / np.maximum(n, 1.0), 0.0)
-        lat = models.request_latency_s(pair, i, o, n + 1.0, context, learned) + models.prefill_queue_s(
-            pair, snap.prefill_pending_tokens[pair], learned
-        )
-        return bool(self.config.spill_margin * lat[0] <= max(waiting, 1) / rate + lat[1])
+        queue = models.prefill_queue_s(pair, snap.prefill_pending_tokens[pair], learned)
+        o_spill = self.config.spill_margin * o
+        if features.max_tokens is not None:
+            o_spill = min(o_spill, float(features.max_tokens))  # it cannot generate more than that
+        spill_s = models.request_latency_s(pair[:1], i, o_spill, n[:1] + 1.0, context[:1], learned)[0]
+        first_s = models.request_latency_s(pair[1:], i, o, n[1:] + 1.0, context[1:], learned)[0]
+        return bool(spill_s + queue[0] <= max(waiting, 1) / rate + first_s + queue[1])

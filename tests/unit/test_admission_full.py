@@ -235,3 +235,46 @@ def test_the_spill_test_prices_the_learned_latency_model_not_the_static_prior() 
 
     assert outcome((*neutral[:7], 5.0)) is None  # 2,000 steps of 5 s: `fast` frees long before
     assert outcome(neutral) == "slow"
+
+
+def test_a_spilled_request_is_priced_at_the_margin_times_its_output_unless_max_tokens_caps_it() -> None:
+    """The spill test prices a spilled request as if it generated ``spill_margin`` (1.5) times its
+    predicted output, since a long answer on a slow backend is what ends a run late, but never more
+    than its ``max_tokens``. `slow` is learned at 18 ms a step: 300 steps there end after the full
+    `fast` backend would have served the request, 200 do not. So with the same prediction (200
+    tokens) a request without a limit waits, and one whose ``max_tokens`` of 200 proves it short
+    spills."""
+    from hetroute.learning.live import LiveModels, PriorModel
+    from hetroute.learning.settings import LearningConfig
+    from hetroute.policies.backend_model import BackendModels
+
+    fast = replace(spec("fast", models=("Llama-3-8B",)), gpu="H100-SXM", tp=1, max_num_seqs=1)
+    slow = replace(spec("slow", models=("Llama-3-8B",)), max_num_seqs=64)
+    backends = [fast, slow]
+    static = BackendModels.from_specs(backends).params
+    fast_p = tuple(float(v) for v in static[0])
+    neutral = tuple(float(v) for v in static[1])
+    slow_learned = (*neutral[:7], 0.018)
+
+    def outcome(max_tokens: int | None) -> str | None:
+        priors = [PriorModel(fast_p, "roofline", "roofline"), PriorModel(neutral, "default", "neutral")]
+        learner = LiveModels(
+            ["fast", "slow"], priors, [1e6, 1e6], [1.0, 64.0], LearningConfig(), [fast_p, slow_learned]
+        )
+        router = Router(
+            backends,
+            build_policy("default", {}, PolicyContext(tuple(backends))),
+            Ledger(["fast", "slow"]),
+            ManualClock(),
+            learner=learner,
+        )
+        placer = Placer(router, FullConfig())
+        assert placer.config.spill_margin == 1.5
+        first = placer.place(RequestFeatures("r0", "Llama-3-8B", "openai", 1000, 200, 200), 1, CLASS)
+        assert first is not None and first.backend_name == "fast"
+        ticket = placer.place(RequestFeatures("r1", "Llama-3-8B", "openai", 1000, max_tokens, 200), 1, CLASS)
+        return None if ticket is None else ticket.backend_name
+
+    assert outcome(None) is None
+    assert outcome(200) == "slow"
+    assert outcome(2000) is None  # a loose limit proves nothing
