@@ -4,6 +4,7 @@ Router, Ledger and default policy."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -198,11 +199,12 @@ def test_a_backend_replaced_at_the_same_name_starts_without_the_old_limit() -> N
     assert limits.tolist() == [np.inf]
 
 
-def test_the_spill_test_prices_the_learned_latency_model_not_the_static_prior() -> None:
-    """Nothing known of `slow` (no GPU: the neutral default, 20 ms a step). What the learner has
-    learned of it decides whether a long request spills there: learned 5 s a step, it waits for the
-    full `fast` backend; learned as the default, it goes. (The spill test once read the static
-    prior only: the neutral default under-priced a learned slow backend 4-8×.)"""
+def _fast_and_blind(
+    slow_learned: Callable[[tuple[float, ...]], tuple[float, ...]],
+) -> tuple[Placer, tuple[float, ...]]:
+    """A Placer over `fast` (H100, roofline prior, one sequence at a time) and `slow` (nothing known:
+    the neutral default, 64 sequences), with live models that have learned ``slow_learned(neutral)``
+    for `slow`; and the neutral default's p1..p8."""
     from hetroute.learning.live import LiveModels, PriorModel
     from hetroute.learning.settings import LearningConfig
     from hetroute.policies.backend_model import BackendModels
@@ -213,28 +215,46 @@ def test_the_spill_test_prices_the_learned_latency_model_not_the_static_prior() 
     static = BackendModels.from_specs(backends).params
     fast_p = tuple(float(v) for v in static[0])
     neutral = tuple(float(v) for v in static[1])
-    assert neutral[7] == 0.02 and neutral[4:7] == (0.0, 0.0, 0.0)  # the default nothing-known model
+    priors = [PriorModel(fast_p, "roofline", "roofline"), PriorModel(neutral, "default", "neutral")]
+    learner = LiveModels(
+        ["fast", "slow"], priors, [1e6, 1e6], [1.0, 64.0], LearningConfig(), [fast_p, slow_learned(neutral)]
+    )
+    router = Router(
+        backends,
+        build_policy("default", {}, PolicyContext(tuple(backends))),
+        Ledger(["fast", "slow"]),
+        ManualClock(),
+        learner=learner,
+    )
+    return Placer(router, FullConfig()), neutral
 
-    def outcome(slow_learned: tuple[float, ...]) -> str | None:
-        priors = [PriorModel(fast_p, "roofline", "roofline"), PriorModel(neutral, "default", "neutral")]
-        learner = LiveModels(
-            ["fast", "slow"], priors, [1e6, 1e6], [1.0, 64.0], LearningConfig(), [fast_p, slow_learned]
-        )
-        router = Router(
-            backends,
-            build_policy("default", {}, PolicyContext(tuple(backends))),
-            Ledger(["fast", "slow"]),
-            ManualClock(),
-            learner=learner,
-        )
-        placer = Placer(router, FullConfig())
-        first = placer.place(RequestFeatures("r0", "Llama-3-8B", "openai", 1000, 2000, 2000), 1, CLASS)
-        assert first is not None and first.backend_name == "fast"
-        ticket = placer.place(RequestFeatures("r1", "Llama-3-8B", "openai", 1000, 2000, 2000), 100, CLASS)
-        return None if ticket is None else ticket.backend_name
 
-    assert outcome((*neutral[:7], 5.0)) is None  # 2,000 steps of 5 s: `fast` frees long before
-    assert outcome(neutral) == "slow"
+def _spill_outcome(
+    placer: Placer, first: RequestFeatures, second: RequestFeatures, waiting: int
+) -> str | None:
+    """Place ``first`` (it must go to the empty `fast`, which it fills), then ``second`` with ``waiting``
+    requests queued: the backend it spilled to, or None when it waits."""
+    ticket = placer.place(first, 1, CLASS)
+    assert ticket is not None and ticket.backend_name == "fast"
+    spilled = placer.place(second, waiting, CLASS)
+    return None if spilled is None else spilled.backend_name
+
+
+def test_the_spill_test_prices_the_learned_latency_model_not_the_static_prior() -> None:
+    """Nothing known of `slow` (no GPU: the neutral default, 20 ms a step). What the learner has
+    learned of it decides whether a long request spills there: learned 5 s a step, it waits for the
+    full `fast` backend; learned as the default, it goes. (The spill test once read the static
+    prior only: the neutral default under-priced a learned slow backend 4-8×.)"""
+
+    def outcome(slow_learned: Callable[[tuple[float, ...]], tuple[float, ...]]) -> str | None:
+        placer, neutral = _fast_and_blind(slow_learned)
+        assert neutral[7] == 0.02 and neutral[4:7] == (0.0, 0.0, 0.0)  # the default nothing-known model
+        r0 = RequestFeatures("r0", "Llama-3-8B", "openai", 1000, 2000, 2000)
+        r1 = RequestFeatures("r1", "Llama-3-8B", "openai", 1000, 2000, 2000)
+        return _spill_outcome(placer, r0, r1, 100)
+
+    assert outcome(lambda neutral: (*neutral[:7], 5.0)) is None  # 2,000 steps of 5 s: `fast` frees first
+    assert outcome(lambda neutral: neutral) == "slow"
 
 
 def test_a_spilled_request_is_priced_at_the_margin_times_its_output_unless_max_tokens_caps_it() -> None:
@@ -244,36 +264,13 @@ def test_a_spilled_request_is_priced_at_the_margin_times_its_output_unless_max_t
     `fast` backend would have served the request, 200 do not. So with the same prediction (200
     tokens) a request without a limit waits, and one whose ``max_tokens`` of 200 proves it short
     spills."""
-    from hetroute.learning.live import LiveModels, PriorModel
-    from hetroute.learning.settings import LearningConfig
-    from hetroute.policies.backend_model import BackendModels
-
-    fast = replace(spec("fast", models=("Llama-3-8B",)), gpu="H100-SXM", tp=1, max_num_seqs=1)
-    slow = replace(spec("slow", models=("Llama-3-8B",)), max_num_seqs=64)
-    backends = [fast, slow]
-    static = BackendModels.from_specs(backends).params
-    fast_p = tuple(float(v) for v in static[0])
-    neutral = tuple(float(v) for v in static[1])
-    slow_learned = (*neutral[:7], 0.018)
 
     def outcome(max_tokens: int | None) -> str | None:
-        priors = [PriorModel(fast_p, "roofline", "roofline"), PriorModel(neutral, "default", "neutral")]
-        learner = LiveModels(
-            ["fast", "slow"], priors, [1e6, 1e6], [1.0, 64.0], LearningConfig(), [fast_p, slow_learned]
-        )
-        router = Router(
-            backends,
-            build_policy("default", {}, PolicyContext(tuple(backends))),
-            Ledger(["fast", "slow"]),
-            ManualClock(),
-            learner=learner,
-        )
-        placer = Placer(router, FullConfig())
+        placer, _ = _fast_and_blind(lambda neutral: (*neutral[:7], 0.018))
         assert placer.config.spill_margin == 1.5
-        first = placer.place(RequestFeatures("r0", "Llama-3-8B", "openai", 1000, 200, 200), 1, CLASS)
-        assert first is not None and first.backend_name == "fast"
-        ticket = placer.place(RequestFeatures("r1", "Llama-3-8B", "openai", 1000, max_tokens, 200), 1, CLASS)
-        return None if ticket is None else ticket.backend_name
+        r0 = RequestFeatures("r0", "Llama-3-8B", "openai", 1000, 200, 200)
+        r1 = RequestFeatures("r1", "Llama-3-8B", "openai", 1000, max_tokens, 200)
+        return _spill_outcome(placer, r0, r1, 1)
 
     assert outcome(None) is None
     assert outcome(200) == "slow"
