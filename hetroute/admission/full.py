@@ -224,10 +224,9 @@ class Placer:
         if not full[cands.index(decision.index)]:
             return router.commit(features, decision, snap)
         spill, snap = router.decide(features, exclude=idx[full].tolist())
-        in_time = self._finishes_in_time(
+        if self._finishes_in_time(
             features, snap, idx[full], spill.index, decision.index, waiting, limits[full]
-        )
-        if in_time:
+        ):
             return router.commit(features, spill, snap)
         return None
 
@@ -236,8 +235,7 @@ class Placer:
         its own prefill, and one decode step of the running batch (method.md §3)."""
         models = self.models
         learned = snap.latency_params
-        n = snap.requests_in_flight[idx].astype(np.float64)
-        context = np.where(n > 0, snap.kv_tokens_in_flight[idx] / np.maximum(n, 1.0), 0.0)
+        n, context = _batch_and_context(snap, idx)
         p = models.rows(idx, learned)
         step = p[:, 4] * n * context + p[:, 5] * n + p[:, 6] * context + p[:, 7]
         out: FloatArray = (
@@ -255,7 +253,7 @@ class Placer:
         spill: int,
         first: int,
         waiting: int,
-        full_seqs: FloatArray | None = None,
+        full_seqs: FloatArray,
     ) -> bool:
         models = self.models
         learned = snap.latency_params  # the live-learned model where the router learns (else None)
@@ -264,8 +262,7 @@ class Placer:
         amortised = models.amortised_request_s(full, i, o, capacity, learned, max_num_seqs=full_seqs)
         rate = float(np.sum(1.0 / np.maximum(amortised, 1e-9)))
         pair: IntArray = np.array([spill, first], dtype=np.int64)
-        n = snap.requests_in_flight[pair].astype(np.float64)
-        context = np.where(n > 0, snap.kv_tokens_in_flight[pair] / np.maximum(n, 1.0), 0.0)
+        n, context = _batch_and_context(snap, pair)
         queue = models.prefill_queue_s(pair, snap.prefill_pending_tokens[pair], learned)
         o_spill = self.config.spill_margin * o
         if features.max_tokens is not None:
@@ -273,3 +270,10 @@ class Placer:
         spill_s = models.request_latency_s(pair[:1], i, o_spill, n[:1] + 1.0, context[:1], learned)[0]
         first_s = models.request_latency_s(pair[1:], i, o, n[1:] + 1.0, context[1:], learned)[0]
         return bool(spill_s + queue[0] <= max(waiting, 1) / rate + first_s + queue[1])
+
+
+def _batch_and_context(snap: ClusterSnapshot, idx: IntArray) -> tuple[FloatArray, FloatArray]:
+    """Per backend of ``idx``: the requests in flight and their mean KV length (0 when idle)."""
+    n = snap.requests_in_flight[idx].astype(np.float64)
+    context: FloatArray = np.where(n > 0, snap.kv_tokens_in_flight[idx] / np.maximum(n, 1.0), 0.0)
+    return n, context
