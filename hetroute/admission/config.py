@@ -83,15 +83,18 @@ class FullConfig:
     (when known). ``engine_waiting_max``: also full while the engine's last scrape reports more than
     this many waiting requests (None: 0, on the backends whose ``max_num_seqs`` is unknown only).
     ``max_drain_s``: also full when the policy's load ``L_s`` reaches it. ``spill_margin``: see
-    ``Placer.place``. A backend with nothing in flight is never full.
+    ``Placer.place``. ``arrival_window_s``: the time constant over which the spill test measures
+    the arrival rate that refills the backlog (admission/arrivals.py). A backend with nothing in
+    flight is never full.
     """
 
     kv_high_water_frac: PositiveFloat = 1.0
     kv_output_frac: Annotated[float, Range(minimum=0, maximum=1)] = 1.0
     seqs_high_water_frac: PositiveFloat = 1.0
     max_drain_s: PositiveFloat | None = None
-    spill_margin: PositiveFloat = 1.5
+    spill_margin: PositiveFloat = 3.0
     engine_waiting_max: NonNegativeInt | None = None
+    arrival_window_s: PositiveFloat = 5.0
 
 
 @dataclass(frozen=True, slots=True)

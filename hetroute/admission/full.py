@@ -28,6 +28,7 @@ import math
 
 import numpy as np
 
+from hetroute.admission.arrivals import ArrivalRate
 from hetroute.admission.config import ClassConfig, FullConfig
 from hetroute.policies.backend_model import BackendModels
 from hetroute.routing.ledger import Ticket
@@ -101,6 +102,11 @@ def _engine_queued(metrics: EngineMetrics | None, in_flight: float, limit: int) 
     running = metrics.num_requests_running
     return running is None or in_flight - running > limit
 
+
+ALIKE_FRAC = 0.1
+"""Backends whose margin-priced latency is within this fraction of the best one's are alike for the
+tail test: it keeps a request off a backend clearly slower, and leaves the choice among alike
+backends (a few prompt tokens queued more or less) to the policy."""
 
 LIMIT_GROWTH = 0.125
 """How much an observed sequence limit grows when the engine shows it could run more (1/8)."""
@@ -180,6 +186,12 @@ class Placer:
         self.config = config
         self.models = models if models is not None else BackendModels.from_specs(router.backends)
         self.observed_seqs = ObservedSeqs()
+        self.arrivals = ArrivalRate(config.arrival_window_s)
+
+    def arrived(self, features: RequestFeatures, now_s: float) -> None:
+        """Count one arrival (every request that reaches admission, queued or not) in the arrival
+        rate the spill test's backlog uses."""
+        self.arrivals.note(features.model, now_s)
 
     def place(self, features: RequestFeatures, waiting: int, klass: ClassConfig) -> Ticket | None:
         """A dispatched ticket, or None when the request must wait.
@@ -187,20 +199,27 @@ class Placer:
         ``waiting`` is how many requests wait in the queue (this one included); ``klass`` is the
         request's priority class (its ``fill_frac`` scales the high-water marks). The policy first
         chooses among every available candidate, full or not, exactly as without the queue; if
-        its choice has room, that is the dispatch. If the choice is full, the policy chooses again
-        among the backends that are not full (the *spill*), and the request goes there only when
-        it would finish there before the full backends can work off the backlog:
+        its choice is neither full nor too slow, that is the dispatch. Otherwise the policy
+        chooses again among the backends that are neither (the *spill*); when there is none the
+        request waits. While a backlog exists (``waiting > 1`` or some backend full) a backend s
+        is **too slow** for r when
 
-            lat_s(r; Õ_s) <= waiting / Σ_{f full} 1/T_r^f + lat_c(r; Õ),   Õ_s = min(m · Õ, max_tokens)
+            lat_s(r; Õ_m) > H_s + (1 + ALIKE_FRAC) · min_b lat_b(r; Õ_m),   Õ_m = min(m · Õ, max_tokens)
+            H_s = waiting / (Σ_{b ≠ s} 1/T_r^b − λ)         (∞ when the denominator is ≤ 0)
 
         (``lat``: the cost model's latency of r joining the backend's batch, with the prompts
-        queued ahead of it; ``T_r^f``: its amortised time on a saturated f, method.md §5; c the
-        first choice; m = ``spill_margin``). The spilled request is priced as if it generated m
-        times its predicted output, since a long answer on a slow backend is what ends a run
-        late, but never more than its ``max_tokens``: a request whose limit proves it short may
-        spill late. So under a backlog every backend is kept busy, and when the backlog is short
-        a slow backend does not take a request that a fast one would finish sooner (the drain
-        tail).
+        queued ahead of it; ``T_r^b``: r's amortised time on a saturated b, method.md §5;
+        m = ``spill_margin``; λ: the recent arrival rate of r's model, :class:`ArrivalRate`):
+        r would take longer on s, if its answer ran m times its prediction, than the rest of the
+        fleet stays busy with the backlog (H_s) plus its time where it runs soonest. Every
+        backend is priced at the same pessimistic length, since a long answer on a slow backend
+        is what ends a run late, but never beyond ``max_tokens``: a request whose limit proves it
+        short may go to a slow backend late. λ counts the requests still coming: while arrivals
+        keep up with the rest of the fleet (a client that sends a new request per answer) the
+        backlog never drains and every backend is used. So under a backlog every backend is kept
+        busy, and when the backlog is short a slow backend does not take a request that a
+        faster one would finish sooner (the drain tail), whether the policy chose it or the
+        policy's choice was full.
 
         A class with ``placement: first_token`` instead goes to the backend, among those that are
         not full, with the smallest predicted time to first token (:meth:`_first_token_s`); the
@@ -221,14 +240,15 @@ class Placer:
             if best != decision.index:
                 decision, snap = router.decide(features, exclude=[i for i in cands if i != best])
             return router.commit(features, decision, snap)
-        if not full[cands.index(decision.index)]:
+        blocked = full
+        if waiting > 1 or full.any():  # a backlog: the tail test (nothing to wait for otherwise)
+            blocked = full | self._too_slow(features, snap, idx, waiting, limits)
+        if blocked.all():
+            return None
+        if not blocked[cands.index(decision.index)]:
             return router.commit(features, decision, snap)
-        spill, snap = router.decide(features, exclude=idx[full].tolist())
-        if self._finishes_in_time(
-            features, snap, idx[full], spill.index, decision.index, waiting, limits[full]
-        ):
-            return router.commit(features, spill, snap)
-        return None
+        spill, snap = router.decide(features, exclude=idx[blocked].tolist())
+        return router.commit(features, spill, snap)
 
     def _first_token_s(self, features: RequestFeatures, snap: ClusterSnapshot, idx: IntArray) -> FloatArray:
         """Predicted TTFT on each backend of ``idx``: the prompts queued before it (``p1 · P_s``),
@@ -245,31 +265,40 @@ class Placer:
         )
         return out
 
-    def _finishes_in_time(
-        self,
-        features: RequestFeatures,
-        snap: ClusterSnapshot,
-        full: IntArray,
-        spill: int,
-        first: int,
-        waiting: int,
-        full_seqs: FloatArray,
-    ) -> bool:
+    def _too_slow(
+        self, features: RequestFeatures, snap: ClusterSnapshot, idx: IntArray, waiting: int, seqs: FloatArray
+    ) -> BoolArray:
+        """The tail test of :meth:`place` per backend of ``idx`` (``seqs``: their sequence limits):
+        True where r, priced at ``Õ_m = min(m · Õ, max_tokens)`` everywhere, would take longer
+        there than the rest of the fleet stays busy with the backlog plus its time where it runs
+        soonest."""
         models = self.models
         learned = snap.latency_params  # the live-learned model where the router learns (else None)
         i, o = features.input_tokens, features.predicted_output_tokens
-        capacity = models.capacity_tokens(snap, full)
-        amortised = models.amortised_request_s(full, i, o, capacity, learned, max_num_seqs=full_seqs)
-        rate = float(np.sum(1.0 / np.maximum(amortised, 1e-9)))
-        pair: IntArray = np.array([spill, first], dtype=np.int64)
-        n, context = _batch_and_context(snap, pair)
-        queue = models.prefill_queue_s(pair, snap.prefill_pending_tokens[pair], learned)
+        capacity = models.capacity_tokens(snap, idx)
+        amortised = models.amortised_request_s(idx, i, o, capacity, learned, max_num_seqs=seqs)
+        per_s = 1.0 / np.maximum(amortised, 1e-9)
+        net_rate = float(np.sum(per_s)) - per_s - self.arrivals.rate_per_s(features.model, snap.now_s)
+        horizon = np.where(net_rate > 0.0, max(waiting, 1) / np.maximum(net_rate, 1e-12), np.inf)
         o_spill = self.config.spill_margin * o
         if features.max_tokens is not None:
             o_spill = min(o_spill, float(features.max_tokens))  # it cannot generate more than that
-        spill_s = models.request_latency_s(pair[:1], i, o_spill, n[:1] + 1.0, context[:1], learned)[0]
-        first_s = models.request_latency_s(pair[1:], i, o, n[1:] + 1.0, context[1:], learned)[0]
-        return bool(spill_s + queue[0] <= max(waiting, 1) / rate + first_s + queue[1])
+        priced = self._joining_s(features, snap, idx, o_spill)
+        out: BoolArray = priced > horizon + (1.0 + ALIKE_FRAC) * float(np.min(priced))
+        return out
+
+    def _joining_s(
+        self, features: RequestFeatures, snap: ClusterSnapshot, idx: IntArray, o: float
+    ) -> FloatArray:
+        """Per backend of ``idx``: the prompts queued there, then r's latency joining its batch with
+        ``o`` output tokens (:meth:`BackendModels.request_latency_s`)."""
+        models, learned = self.models, snap.latency_params
+        n, context = _batch_and_context(snap, idx)
+        queue = models.prefill_queue_s(idx, snap.prefill_pending_tokens[idx], learned)
+        out: FloatArray = queue + models.request_latency_s(
+            idx, features.input_tokens, o, n + 1.0, context, learned
+        )
+        return out
 
 
 def _batch_and_context(snap: ClusterSnapshot, idx: IntArray) -> tuple[FloatArray, FloatArray]:

@@ -86,6 +86,7 @@ class AdmissionGate:
             raise UnknownModel(features.model)  # never queue what no backend serves
         class_index, tenant = self.classify(headers)
         name = self._names[class_index]
+        self.placer.arrived(features, self.clock.now())
         if not len(self.queue):
             ticket = self.placer.place(features, 1, self.queue.class_config(class_index))
             if ticket is not None:

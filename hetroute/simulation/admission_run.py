@@ -82,6 +82,7 @@ class AdmittedRun(Run):
         features = self.features_of(k)
         self._flush_generated()
         class_index, tenant = self.labels[k]
+        self.placer.arrived(features, now_s)
         if not len(self.queue):
             ticket = self.placer.place(features, 1, self.queue.class_config(class_index))
             if ticket is not None:

@@ -200,16 +200,16 @@ def test_a_backend_replaced_at_the_same_name_starts_without_the_old_limit() -> N
 
 
 def _fast_and_blind(
-    slow_learned: Callable[[tuple[float, ...]], tuple[float, ...]],
+    slow_learned: Callable[[tuple[float, ...]], tuple[float, ...]], fast_seqs: int = 1
 ) -> tuple[Placer, tuple[float, ...]]:
-    """A Placer over `fast` (H100, roofline prior, one sequence at a time) and `slow` (nothing known:
-    the neutral default, 64 sequences), with live models that have learned ``slow_learned(neutral)``
-    for `slow`; and the neutral default's p1..p8."""
+    """A Placer over `fast` (H100, roofline prior, ``fast_seqs`` sequences at a time) and `slow`
+    (nothing known: the neutral default, 64 sequences), with live models that have learned
+    ``slow_learned(neutral)`` for `slow`; and the neutral default's p1..p8."""
     from hetroute.learning.live import LiveModels, PriorModel
     from hetroute.learning.settings import LearningConfig
     from hetroute.policies.backend_model import BackendModels
 
-    fast = replace(spec("fast", models=("Llama-3-8B",)), gpu="H100-SXM", tp=1, max_num_seqs=1)
+    fast = replace(spec("fast", models=("Llama-3-8B",)), gpu="H100-SXM", tp=1, max_num_seqs=fast_seqs)
     slow = replace(spec("slow", models=("Llama-3-8B",)), max_num_seqs=64)
     backends = [fast, slow]
     static = BackendModels.from_specs(backends).params
@@ -258,16 +258,16 @@ def test_the_spill_test_prices_the_learned_latency_model_not_the_static_prior() 
 
 
 def test_a_spilled_request_is_priced_at_the_margin_times_its_output_unless_max_tokens_caps_it() -> None:
-    """The spill test prices a spilled request as if it generated ``spill_margin`` (1.5) times its
-    predicted output, since a long answer on a slow backend is what ends a run late, but never more
-    than its ``max_tokens``. `slow` is learned at 18 ms a step: 300 steps there end after the full
-    `fast` backend would have served the request, 200 do not. So with the same prediction (200
-    tokens) a request without a limit waits, and one whose ``max_tokens`` of 200 proves it short
-    spills."""
+    """The tail test prices a request as if it generated ``spill_margin`` (3) times its predicted
+    output, on every backend, since a long answer on a slow backend is what ends a run late, but
+    never more than its ``max_tokens``. `slow` is learned at 18 ms a step, `fast` runs about 11 ms:
+    over 600 steps `slow` takes 4.3 s longer, more than the 2.2 s the full `fast` needs to free a
+    slot; over 200 steps 1.5 s longer. So with the same prediction (200 tokens) a request without a
+    limit waits for `fast`, and one whose ``max_tokens`` of 200 proves it short spills."""
 
     def outcome(max_tokens: int | None) -> str | None:
         placer, _ = _fast_and_blind(lambda neutral: (*neutral[:7], 0.018))
-        assert placer.config.spill_margin == 1.5
+        assert placer.config.spill_margin == 3.0
         r0 = RequestFeatures("r0", "Llama-3-8B", "openai", 1000, 200, 200)
         r1 = RequestFeatures("r1", "Llama-3-8B", "openai", 1000, max_tokens, 200)
         return _spill_outcome(placer, r0, r1, 1)
@@ -275,3 +275,64 @@ def test_a_spilled_request_is_priced_at_the_margin_times_its_output_unless_max_t
     assert outcome(None) is None
     assert outcome(200) == "slow"
     assert outcome(2000) is None  # a loose limit proves nothing
+
+
+def test_arrivals_that_keep_up_with_the_full_backends_make_any_backlog_long_enough_to_spill() -> None:
+    """The backlog the tail test weighs is ``waiting / (Σ 1/T_r^f − λ)``: with one request queued and
+    nothing arriving, `fast` frees a slot in 2.2 s and the request waits for it (as above); while
+    requests arrive faster than `fast` serves them (a client that sends a new request per answer),
+    the queue never drains, `fast` stays busy whatever happens, and the request spills to `slow`."""
+
+    def outcome(arrivals: int) -> str | None:
+        placer, _ = _fast_and_blind(lambda neutral: (*neutral[:7], 0.018))
+        r0 = RequestFeatures("r0", "Llama-3-8B", "openai", 1000, 200, 200)
+        r1 = RequestFeatures("r1", "Llama-3-8B", "openai", 1000, None, 200)
+        for _ in range(arrivals):  # 20 at t = 0: λ = 20 / 5 s = 4/s against 0.45/s on `fast`
+            placer.arrived(r1, 0.0)
+        return _spill_outcome(placer, r0, r1, 1)
+
+    assert outcome(0) is None
+    assert outcome(20) == "slow"
+
+
+def test_the_tail_test_also_overrides_a_policy_choice_that_has_room() -> None:
+    """`fast` runs two sequences and holds one long request (2,000 tokens), so the min-max policy
+    picks the empty `slow` for the next one. Priced at 600 tokens, the request takes 11.0 s on
+    `slow` and 6.9 s on `fast`. With two requests queued, `fast` is busy for only 2.3 s more (two of
+    its 1.15 s amortised slots), and 11.0 s is beyond 2.3 + 1.1 · 6.9 s: the request goes to
+    `fast`, which has room (it used to go to `slow`, and a long answer there ended the run late).
+    Behind 100 queued requests the policy's choice stands."""
+
+    def outcome(waiting: int) -> str | None:
+        placer, _ = _fast_and_blind(lambda neutral: (*neutral[:7], 0.018), fast_seqs=2)
+        r0 = RequestFeatures("r0", "Llama-3-8B", "openai", 1000, 2000, 2000)
+        r1 = RequestFeatures("r1", "Llama-3-8B", "openai", 1000, None, 200)
+        assert placer.place(r0, 1, CLASS) is not None
+        assert placer.router.decide(r1)[0].index == 1  # the policy's own choice: `slow`
+        ticket = placer.place(r1, waiting, CLASS)
+        return None if ticket is None else ticket.backend_name
+
+    assert outcome(2) == "fast"
+    assert outcome(100) == "slow"
+
+
+def test_backends_priced_alike_are_never_too_slow_for_each_other() -> None:
+    """Nothing known and nothing learned: every backend has the neutral default's flat 20 ms step.
+    The tail test compares backends at the same (margin) output length, so none is slower than
+    another and a short queue still spreads over all of them (an earlier form priced only the
+    candidate at the margin, the best backend at its prediction, and sent all six to `a`: 52 % of
+    the capacity bound on paper-b without a profile)."""
+    backends = [spec(n, models=("m",)) for n in ("a", "b", "c")]  # no sequence limit: never full
+    router = Router(
+        backends,
+        build_policy("default", {}, PolicyContext(tuple(backends))),
+        Ledger(["a", "b", "c"]),
+        ManualClock(),
+    )
+    placer = Placer(router, FullConfig())
+    names = []
+    for k in range(6):
+        ticket = placer.place(replace(feats(k), predicted_output_tokens=200), 2, CLASS)
+        assert ticket is not None, k
+        names.append(ticket.backend_name)
+    assert set(names) == {"a", "b", "c"}
