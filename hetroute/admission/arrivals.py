@@ -1,4 +1,4 @@
-"""The recent arrival rate of requests per model, for the spill test's backlog (admission/full.py).
+"""The recent arrival rate of requests per model, for the tail test's backlog (admission/full.py).
 
 An exponentially decayed count (time constant τ = ``arrival_window_s``): each arrival adds 1 and
 the sum decays as ``e^{-Δt/τ}``, so

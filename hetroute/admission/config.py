@@ -83,7 +83,7 @@ class FullConfig:
     (when known). ``engine_waiting_max``: also full while the engine's last scrape reports more than
     this many waiting requests (None: 0, on the backends whose ``max_num_seqs`` is unknown only).
     ``max_drain_s``: also full when the policy's load ``L_s`` reaches it. ``spill_margin``: see
-    ``Placer.place``. ``arrival_window_s``: the time constant over which the spill test measures
+    ``Placer.place``. ``arrival_window_s``: the time constant over which the tail test measures
     the arrival rate that refills the backlog (admission/arrivals.py). A backend with nothing in
     flight is never full.
     """

@@ -19,7 +19,8 @@ request r (input ``I``, predicted output ``Õ``) when it has something in flight
 A backend with nothing in flight is never full, so a request larger than any backend's
 capacity is still dispatched (the engine then rejects or queues it, as without the queue).
 :meth:`Placer.place` asks the routing policy for its choice at dispatch time (late binding)
-and commits it only when that backend is not full.
+and commits it only when that backend is neither full nor, under a backlog, too slow for the
+request (the tail test, in its docstring).
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ class Placer:
 
     def arrived(self, features: RequestFeatures, now_s: float) -> None:
         """Count one arrival (every request that reaches admission, queued or not) in the arrival
-        rate the spill test's backlog uses."""
+        rate the tail test's backlog uses."""
         self.arrivals.note(features.model, now_s)
 
     def place(self, features: RequestFeatures, waiting: int, klass: ClassConfig) -> Ticket | None:

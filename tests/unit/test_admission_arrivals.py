@@ -1,4 +1,4 @@
-"""The arrival rate the spill test's backlog uses (hetroute.admission.arrivals)."""
+"""The arrival rate the tail test's backlog uses (hetroute.admission.arrivals)."""
 
 from __future__ import annotations
 
