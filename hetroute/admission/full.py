@@ -280,6 +280,8 @@ class Placer:
         amortised = models.amortised_request_s(idx, i, o, capacity, learned, max_num_seqs=seqs)
         per_s = 1.0 / np.maximum(amortised, 1e-9)
         net_rate = float(np.sum(per_s)) - per_s - self.arrivals.rate_per_s(features.model, snap.now_s)
+        if not (net_rate > 0.0).any():  # arrivals keep up with every backend's rest of the fleet
+            return np.zeros(idx.size, dtype=np.bool_)
         horizon = np.where(net_rate > 0.0, max(waiting, 1) / np.maximum(net_rate, 1e-12), np.inf)
         o_spill = self.config.spill_margin * o
         if features.max_tokens is not None:
