@@ -86,13 +86,13 @@ class AdmissionGate:
             raise UnknownModel(features.model)  # never queue what no backend serves
         class_index, tenant = self.classify(headers)
         name = self._names[class_index]
-        self.placer.arrived(features, self.clock.now())
+        now = self.clock.now()
+        self.placer.arrived(features, now)
         if not len(self.queue):
             ticket = self.placer.place(features, 1, self.queue.class_config(class_index))
             if ticket is not None:
                 self.metrics.wait.labels(name, "dispatched").observe(0.0)
                 return ticket
-        now = self.clock.now()
         try:
             future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
             entry = self.queue.offer(features, class_index, tenant, future, now)
