@@ -281,6 +281,25 @@ class BackendModels:
         ``max_num_seqs`` (aligned with ``idx``) replaces the static sequence limits (a limit the
         admission queue saw the engine keep, where none is configured).
         """
+        args = (idx, input_tokens, output_tokens, capacity_tokens, params, cached_tokens, max_num_seqs)
+        out, _ = self.amortised_and_saved_s(*args, saved=False)
+        return out
+
+    def amortised_and_saved_s(
+        self,
+        idx: IntArray,
+        input_tokens: float,
+        output_tokens: float,
+        capacity_tokens: FloatArray,
+        params: FloatArray | None = None,
+        cached_tokens: FloatArray | None = None,
+        max_num_seqs: FloatArray | None = None,
+        *,
+        saved: bool = True,
+    ) -> tuple[FloatArray, FloatArray | None]:
+        """(T_r^s, the prefill time the cached tokens save in it) as :meth:`amortised_request_s`; the
+        saving is ``(p1·b + p3) · (I − U) / b`` (the prefill terms' share, before T's clamp at 0), None
+        without ``saved``."""
         i = float(max(input_tokens, 0))
         iu = _uncached(i, cached_tokens)
         o = float(max(output_tokens, 0))
@@ -300,7 +319,10 @@ class BackendModels:
             + p[:, 7] * o
         )
         out: FloatArray = np.maximum(total, 0.0) / b
-        return out
+        if not saved:
+            return out, None
+        saving: FloatArray = (p[:, 0] * b + p[:, 2]) * (i - iu) / b
+        return out, saving
 
     def request_latency_s(
         self,

@@ -42,6 +42,10 @@ Prefix-cache locality (docs/prefix.md): with ``prefix`` (default true) T_r^s and
 included) count only the prompt tokens not estimated cached on s, ``U_r^s = I_r − cached_s``
 (``ClusterSnapshot.prefix_cached_tokens``; ``U_r^s = I_r`` without the term), with no credit on a
 backend far busier than the least loaded (the balance guard); ``P_s`` keeps the whole prompts.
+``cache_weight`` (F, default 3) counts the prefill a hit saves F times where the min-max is
+indifferent: with ``D_s = L_s + w_r^s − (F − 1)·(p1·b + p3)·cached_s/b`` (the share of w_r^s the cached
+tokens save), the score takes ``max(D_s, L_s, lat)`` (never below the backend's own drain time) and ties
+go to the smallest ``max(D_s, lat)``; the ledger is charged w_r^s itself.
 ``session_slack`` (default 0.1) keeps a session on its last backend while that is within 10 % of the
 choice.
 """
@@ -53,6 +57,8 @@ from collections.abc import Mapping
 from hetroute.policies.base import PolicyContext
 from hetroute.policies.workload_minmax import MinMaxParams, MinMaxPolicy, build_minmax
 
+CACHE_WEIGHT = 3.0
+"""The prefill a cache hit saves counts three times where the min-max is indifferent (docs/prefix.md)."""
 SESSION_SLACK = 0.1
 """A session stays on its last backend while that backend's min-max score is within 10 % of the best."""
 
@@ -65,6 +71,7 @@ def from_config(params: Mapping[str, object], ctx: PolicyContext) -> MinMaxPolic
         prefill_queue=True,
         ttft_weight=8.0,
         prefix=True,
+        cache_weight=CACHE_WEIGHT,
         session_slack=SESSION_SLACK,
     )
     return build_minmax("balanced_minmax", params, ctx, defaults, overflow_only=True)

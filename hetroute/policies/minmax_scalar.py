@@ -33,7 +33,7 @@ MAX_EXPONENT = 30.0
 PREFIX_BALANCE_REL = 0.5
 """Prefix balance guard: no cache credit on a candidate whose drain time exceeds the least loaded
 candidate's by more than this (relative) and :data:`PREFIX_BALANCE_ABS_S` (``MinMaxPolicy._cached``)."""
-PREFIX_BALANCE_ABS_S = 1.0
+PREFIX_BALANCE_ABS_S = 2.0
 
 
 class MinMaxSettings(Protocol):
@@ -65,6 +65,8 @@ class MinMaxSettings(Protocol):
     def explore_max_output_tokens(self) -> int: ...
     @property
     def prefix(self) -> bool: ...
+    @property
+    def cache_weight(self) -> float: ...
     @property
     def session_slack(self) -> float: ...
 
@@ -102,10 +104,18 @@ def choose_scalar(
     loads: list[float] = snap.workload.tolist()
     cached = _cached(policy, snap, cand, loads)
     n_req = snap.requests_in_flight.tolist()
-    t_list, u_list, w_list, lat_list = _costs(policy, features, snap, candidates, cand, cached, n_req)
+    t_list, u_list, w_list, lat_list, saved_list = _costs(
+        policy, features, snap, candidates, cand, cached, n_req
+    )
     own = [loads[c] + w for c, w in zip(cand, w_list, strict=True)]
+    rank = own
+    if saved_list is not None:
+        weight = policy.cache_weight - 1.0
+        rank = [a - weight * max(x, 0.0) for a, x in zip(own, saved_list, strict=True)]
+        own = [max(d, loads[c]) for d, c in zip(rank, cand, strict=True)]
     if policy.latency_floor:
         own = [max(a, b) for a, b in zip(own, lat_list, strict=True)]
+        rank = own if saved_list is None else [max(a, b) for a, b in zip(rank, lat_list, strict=True)]
     if len(loads) >= 2:
         first = max(loads)
         top = loads.index(first)
@@ -118,9 +128,9 @@ def choose_scalar(
     cut = best + 1e-12 * max(1.0, abs(best))
     tied = [k for k, v in enumerate(score) if v <= cut]
     if len(tied) > 1:
-        low = min(own[k] for k in tied)
+        low = min(rank[k] for k in tied)
         cut_own = low + 1e-12 * max(1.0, abs(low))
-        tied = [k for k in tied if own[k] <= cut_own]
+        tied = [k for k in tied if rank[k] <= cut_own]
     k = tied[rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
     k = _keep_session(policy, snap, cand, score, own, k)
     explored = _explore(policy, rng, features, snap, cand, n_req, k)
@@ -147,9 +157,10 @@ def _costs(
     cand: list[int],
     cached: list[float] | None,
     n_req: list[int],
-) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Per candidate: T_r^s, kvusage, the cost w = T·e^(θ·kvusage) and (with the latency floor) the
-    request's own predicted latency, in the array path's operation order (Eq. 5-6, method.md §5)."""
+) -> tuple[list[float], list[float], list[float], list[float], list[float] | None]:
+    """Per candidate: T_r^s, kvusage, the cost w = T·e^(θ·kvusage), (with the latency floor) the
+    request's own predicted latency and (with a ``cache_weight`` ≠ 1 and some cache credit) the part of
+    w the cached tokens save, in the array path's operation order (Eq. 5-6, method.md §5)."""
     models = policy.models
     caps_snap = snap.kv_capacity_tokens.tolist()
     fallback = models.fallback_capacity_tokens
@@ -178,6 +189,10 @@ def _costs(
     ol = float(max(output_tokens, 0))
     theta, overflow_only, unit_time = policy.theta, policy.overflow_only, policy.unit_time
     full_batch = policy.batch_kv == "full"
+    weighted = (
+        cached is not None and policy.cache_weight != 1.0 and not unit_time and any(x > 0.0 for x in cached)
+    )
+    saved_t: list[float] = []
     t_list: list[float] = []
     u_list: list[float] = []
     x_list: list[float] = []
@@ -195,6 +210,8 @@ def _costs(
             b = min(max(float(math.floor(bcap / per_request)), 1.0), seq_c)
             total = p1 * b * iu + p2 * b + p3 * iu + p4 + p5 * b * s_tok + p6 * b * oa + p7 * s_tok + p8 * oa
             t_c = max(total, 0.0) / b
+            if weighted:
+                saved_t.append((p1 * b + p3) * (ia - iu) / b)
         u_c = kv[k] / cap_c
         g = max(u_c - 1.0, 0.0) if overflow_only else u_c
         t_list.append(t_c)
@@ -214,11 +231,15 @@ def _costs(
             if policy.ttft_weight > 0.0:
                 lat = lat + policy.ttft_weight * max(prefill, 0.0)
             lat_list.append(lat)
+    saved_list: list[float] | None = saved_t if weighted else None
     if any(x != 0.0 for x in x_list):  # exp(0) is exactly 1; otherwise numpy's exp, as the arrays do
-        w_list = [t * e for t, e in zip(t_list, np.exp(np.array(x_list)).tolist(), strict=True)]
+        factors = np.exp(np.array(x_list)).tolist()
+        w_list = [t * e for t, e in zip(t_list, factors, strict=True)]
+        if saved_list is not None:
+            saved_list = [t * e for t, e in zip(saved_list, factors, strict=True)]
     else:
         w_list = t_list
-    return t_list, u_list, w_list, lat_list
+    return t_list, u_list, w_list, lat_list, saved_list
 
 
 def _keep_session(

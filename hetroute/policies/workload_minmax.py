@@ -23,7 +23,9 @@ candidate lacks it, all candidates use the ledger estimate (same signal for all)
 
 Params: ``theta`` (θ ≥ 0, default 2, the paper's value), ``kv_signal``, ``batch_kv`` (``full``:
 b from I + Õ as the paper; ``average``: from I + Õ/2, the mean footprint under continuous batching),
-``latency_floor`` (default false; the latency floor of ``balanced_minmax``), ``prefill_queue`` and
+``latency_floor`` (default false; the latency floor of ``balanced_minmax``), ``prefix`` / ``cache_weight``
+(default false / 1: prefix-cache credit and its weight in the drain-time comparison, see
+``balanced_minmax`` and docs/prefix.md), ``prefill_queue`` and
 ``ttft_weight`` (default false / 0; the floor's prefill terms, see ``balanced_minmax``: they act only
 inside the latency floor), ``explore_share`` / ``explore_min_samples`` /
 ``explore_max_output_tokens`` (default 0.02 / 3 / 256: the bounded exploration of backends the live
@@ -85,11 +87,12 @@ class MinMaxParams:
     explore_min_samples: NonNegativeInt = EXPLORE_MIN_SAMPLES
     explore_max_output_tokens: PositiveInt = EXPLORE_MAX_OUTPUT_TOKENS
     prefix: bool = False
+    cache_weight: Annotated[float, Range(minimum=1, maximum=100)] = 1.0
     session_slack: Annotated[float, Range(minimum=0, maximum=10)] = 0.0
     seed: int | None = None
 
 
-TIME_ONLY_PARAMS = ("batch_kv", "latency_floor", "prefill_queue", "ttft_weight", "prefix")
+TIME_ONLY_PARAMS = ("batch_kv", "latency_floor", "prefill_queue", "ttft_weight", "prefix", "cache_weight")
 
 
 def kv_usage(snapshot: ClusterSnapshot, idx: IntArray, cap: FloatArray, signal: KvSignal) -> FloatArray:
@@ -153,10 +156,12 @@ class MinMaxPolicy:
         explore_min_samples: int = 0,
         explore_max_output_tokens: int = 0,
         prefix: bool = False,
+        cache_weight: float = 1.0,
         session_slack: float = 0.0,
     ) -> None:
         self.name = name
         self.prefix = prefix
+        self.cache_weight = cache_weight
         self.session_slack = session_slack
         self.explore_share = explore_share
         self.explore_min_samples = explore_min_samples
@@ -181,20 +186,39 @@ class MinMaxPolicy:
     ) -> tuple[FloatArray, FloatArray, FloatArray]:
         """(T_r^s, kvusage_s, w_r^s) for every candidate; ``cached`` as :meth:`_cached` gives it (computed
         here when not passed)."""
+        t, u, w, _ = self._costs(features, snapshot, candidates, cached, saved=False)
+        return t, u, w
+
+    def _costs(
+        self,
+        features: RequestFeatures,
+        snapshot: ClusterSnapshot,
+        candidates: IntArray,
+        cached: FloatArray | None | _Unset,
+        *,
+        saved: bool,
+    ) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray | None]:
+        """:meth:`costs` and, with ``saved``, the part of w_r^s the cached tokens save
+        (``(p1·b + p3)·cached/b · e^(θ·g)``, for ``cache_weight``)."""
         cap = self.models.capacity_tokens(snapshot, candidates)
         if isinstance(cached, _Unset):
             cached = self._cached(snapshot, candidates)
         i = float(features.input_tokens)
         o = float(features.predicted_output_tokens)
+        t_saved: FloatArray | None = None
         if self.unit_time:
             t: FloatArray = np.ones(len(candidates), dtype=np.float64)
         else:
             batch_cap = cap if self.batch_kv == "full" else cap * (i + o) / max(1.0, i + o / 2.0)
-            t = self.models.amortised_request_s(candidates, i, o, batch_cap, snapshot.latency_params, cached)
+            t, t_saved = self.models.amortised_and_saved_s(
+                candidates, i, o, batch_cap, snapshot.latency_params, cached, saved=saved
+            )
         u = kv_usage(snapshot, candidates, cap, self.kv_signal)
         g = np.maximum(u - 1.0, 0.0) if self.overflow_only else u
-        w: FloatArray = t * np.exp(np.minimum(self.theta * g, MAX_EXPONENT))
-        return t, u, w
+        factor = np.exp(np.minimum(self.theta * g, MAX_EXPONENT))
+        w: FloatArray = t * factor
+        w_saved: FloatArray | None = None if t_saved is None else t_saved * factor
+        return t, u, w, w_saved
 
     def latency(
         self,
@@ -249,11 +273,20 @@ class MinMaxPolicy:
     ) -> RoutingDecision:
         """The min-max choice over numpy arrays (any fleet size, every KV signal)."""
         cached = self._cached(snapshot, candidates)  # once per decision, for both terms
-        t, u, w = self.costs(features, snapshot, candidates, cached)
+        weighted = cached is not None and self.cache_weight != 1.0 and bool((cached > 0.0).any())
+        t, u, w, w_saved = self._costs(features, snapshot, candidates, cached, saved=weighted)
         loads = snapshot.workload
         own = loads[candidates] + w
+        rank = own  # what breaks ties between equal min-max scores
+        if w_saved is not None:
+            # The prefill a hit saves counts cache_weight times where the min-max is indifferent (the
+            # tie-break); the makespan score keeps D ≥ L_s and the ledger is charged w (docs/prefix.md).
+            rank = own - (self.cache_weight - 1.0) * np.maximum(w_saved, 0.0)
+            own = np.maximum(rank, loads[candidates])
         if self.latency_floor:
-            own = np.maximum(own, self.latency(features, snapshot, candidates, cached))
+            lat = self.latency(features, snapshot, candidates, cached)
+            own = np.maximum(own, lat)
+            rank = own if w_saved is None else np.maximum(rank, lat)
         if loads.size >= 2:
             top = int(np.argmax(loads))
             second, first = (float(v) for v in np.partition(loads, loads.size - 2)[-2:])
@@ -264,7 +297,7 @@ class MinMaxPolicy:
         best = float(score.min())
         tied = np.flatnonzero(score <= best + 1e-12 * max(1.0, abs(best)))
         if tied.size > 1:
-            own_tied = own[tied]
+            own_tied = rank[tied]
             tied = tied[own_tied <= float(own_tied.min()) + 1e-12 * max(1.0, abs(float(own_tied.min())))]
         k = int(tied[self._rng.randrange(tied.size)]) if tied.size > 1 else int(tied[0])
         k = self._keep_session(snapshot, candidates, score, own, k)
@@ -380,6 +413,7 @@ def build_minmax(
         explore_min_samples=p.explore_min_samples,
         explore_max_output_tokens=p.explore_max_output_tokens,
         prefix=p.prefix and not unit_time,
+        cache_weight=p.cache_weight,
         session_slack=p.session_slack,
     )
 

@@ -115,6 +115,7 @@ def _policy_kwargs(rng: random.Random) -> dict[str, Any]:
         "explore_min_samples": rng.choice([0, 3, 10]),
         "explore_max_output_tokens": rng.choice([1, 256, 100_000]),
         "prefix": rng.random() < 0.7,
+        "cache_weight": rng.choice([1.0, 2.0, rng.uniform(1.0, 10.0)]),
         "session_slack": rng.choice([0.0, 0.1, 1.0]),
     }
 

@@ -149,7 +149,32 @@ def test_a_backend_far_busier_than_the_least_loaded_loses_its_cache_credit() -> 
     default = policy("balanced_minmax", twins)
     near = with_cache(snap(twins, workload=[0.3, 0.0]), [2000.0, 0.0])
     assert default.choose(prefixed(), near, BOTH).index == 0  # within the band: the cache wins
-    busy = snap(twins, workload=[1.5, 0.0])
+    busy = snap(twins, workload=[2.5, 0.0])
     assert default.costs(prefixed(), with_cache(busy, [2000.0, 0.0]), BOTH)[0].tolist() == (
         default.costs(prefixed(), with_cache(busy, [0.0, 0.0]), BOTH)[0].tolist()
-    )  # 1.5 s > 0 · 1.5 + 1.0 s: no credit for the cached prompt on the busy backend
+    )  # 2.5 s > 0 · 1.5 + 2.0 s: no credit for the cached prompt on the busy backend
+    assert default.choose(prefixed(), with_cache(busy, [2000.0, 0.0]), BOTH).index == 1
+
+
+def test_the_saved_prefill_counts_cache_weight_times_where_the_min_max_is_indifferent() -> None:
+    """``cache_weight`` F (default 3): between equal backends, the one holding r's prefix keeps r while its
+    drain time exceeds the other's by less than F times the prefill the hit saves (once with F = 1); the
+    min-max score still never falls below a backend's own drain time, and the ledger is charged r's true
+    cost."""
+    twins = (backend("a", profile(FAST, 400_000)), backend("b", profile(FAST, 400_000)))
+    default, plain = policy("balanced_minmax", twins), policy("balanced_minmax", twins, cache_weight=1.0)
+    cached = with_cache(snap(twins), [0.0, 2000.0])
+    w_hit = float(default.costs(prefixed(), cached, BOTH)[2][1])
+    w_full = float(default.costs(prefixed(), with_cache(snap(twins), [0.0, 0.0]), BOTH)[2][1])
+    saved = w_full - w_hit
+    assert saved > w_hit > 0.0
+
+    def home_ahead_by(excess_s: float) -> ClusterSnapshot:
+        return with_cache(snap(twins, workload=[10.0, 10.0 + excess_s]), [0.0, 2000.0])
+
+    assert plain.choose(prefixed(), home_ahead_by(0.5 * saved), BOTH).index == 1
+    assert plain.choose(prefixed(), home_ahead_by(1.5 * saved), BOTH).index == 0
+    decision = default.choose(prefixed(), home_ahead_by(2.5 * saved), BOTH)
+    assert decision.index == 1 and math.isclose(decision.workload_cost, w_hit)
+    assert decision.scores["minmax_load"] >= 10.0 + 2.5 * saved  # not below the home's own drain time
+    assert default.choose(prefixed(), home_ahead_by(3.5 * saved), BOTH).index == 0
