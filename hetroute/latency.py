@@ -69,6 +69,11 @@ class ProfileError(HetrouteError, ValueError):
         super().__init__(f"{source}: {field_path}: {message}")
         self.source = source
         self.field_path = field_path
+        self.message = message
+
+    def __reduce__(self) -> tuple[type[ProfileError], tuple[str, str, str]]:
+        """Picklable with its constructor's arguments (a worker process's error reaches its parent)."""
+        return (type(self), (self.source, self.field_path, self.message))
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,7 +51,12 @@ class UnknownCatalogEntry(KeyError):
 
     def __init__(self, kind: str, name: str, valid: list[str]) -> None:
         super().__init__(name)
+        self.kind, self.name, self.valid = kind, name, valid
         self.text = f"unknown {kind} {name!r}; valid names: {', '.join(valid)}"
+
+    def __reduce__(self) -> tuple[type[UnknownCatalogEntry], tuple[str, str, list[str]]]:
+        """Picklable with its constructor's arguments (a worker process's error reaches its parent)."""
+        return (type(self), (self.kind, self.name, self.valid))
 
     def __str__(self) -> str:
         return self.text
