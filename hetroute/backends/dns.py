@@ -66,7 +66,9 @@ def make_resolver(config: DnsConfig) -> dns.asyncresolver.Resolver:
 
 async def resolve_addresses(resolver: dns.asyncresolver.Resolver, host: str) -> tuple[str, ...]:
     """The A and AAAA addresses of ``host``, sorted (an IP literal is its own answer); () when the name
-    has none; :class:`DnsError` when the resolution failed."""
+    has none; :class:`DnsError` when the resolution failed. A relative name goes through the resolver's
+    search list as the system's resolver does (``ndots``): a pod's ``vllm`` is
+    ``vllm.<namespace>.svc.cluster.local``."""
     try:
         return (str(ipaddress.ip_address(host)),)
     except ValueError:
@@ -74,7 +76,7 @@ async def resolve_addresses(resolver: dns.asyncresolver.Resolver, host: str) -> 
     found: set[str] = set()
     for rdtype in ("A", "AAAA"):
         try:
-            answer = await resolver.resolve(host, rdtype, search=False)
+            answer = await resolver.resolve(host, rdtype, search=True)
         except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
             continue
         except dns.exception.DNSException as exc:

@@ -15,6 +15,7 @@ from contextlib import AsyncExitStack
 import aiohttp
 import dns.flags
 import dns.message
+import dns.name
 import dns.rcode
 import dns.rdatatype
 import dns.rrset
@@ -22,8 +23,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from hetroute.app import MEMBERSHIP, ROUTER, build_app, start_app
+from hetroute.backends.dns import make_resolver, resolve_addresses
 from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog, lookup_gpu, lookup_model
-from hetroute.config import config_from_dict
+from hetroute.config import DnsConfig, config_from_dict
 from hetroute.sim.emulator import build_emulator_app, run_emulator
 from hetroute.sim.engine_model import EngineConfig, EngineModel
 from tests.conftest import MODEL, eventually
@@ -68,6 +70,17 @@ async def dns_server() -> AsyncIterator[tuple[DnsServer, int]]:
         yield server, transport.get_extra_info("sockname")[1]
     finally:
         transport.close()
+
+
+async def test_a_short_name_is_resolved_through_the_search_list_as_in_a_pod(
+    dns_server: tuple[DnsServer, int],
+) -> None:
+    server, dns_port = dns_server
+    server.addresses = ["127.0.0.2", "127.0.0.3"]
+    resolver = make_resolver(DnsConfig(nameservers=(f"127.0.0.1:{dns_port}",), timeout_s=2.0))
+    assert await resolve_addresses(resolver, "vllm") == ()  # no search list: only "vllm." is asked
+    resolver.search = [dns.name.from_text("hetroute.test.")]  # a pod's resolv.conf: search <ns>.svc...
+    assert await resolve_addresses(resolver, "vllm") == ("127.0.0.2", "127.0.0.3")
 
 
 def _shared_port() -> int:
