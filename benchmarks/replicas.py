@@ -21,7 +21,9 @@ ratios to the single router of the same seed (R = 1; all modes are identical the
 throughput ≥ 0.97× and p99 TTFT ≤ 1.2× at every rate. Writes ``replicas.json`` and ``replicas.md``;
 with ``--peer-hint`` every replica is given ``server.replicas`` = R (until a scrape has seen its own
 requests, the scaled modes count each other replica as having sent as many as it did) and the files
-are ``replicas_peer_hint.*``.
+are ``replicas_peer_hint.*``. With ``--peer-interval S`` the replicas also exchange summaries every S
+seconds of modelled time (their ledgers and completions, ``hetroute.routing.peers``; no transit time)
+and the files are ``replicas_peers.*``.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Task:
     replicas: int
     mode: str
     peer_hint: bool = False
+    peer_interval_s: float = 0.0
 
 
 _FLEETS: dict[tuple[str, str], Any] = {}
@@ -101,6 +104,7 @@ def execute(task: Task) -> dict[str, Any]:
         replicas=task.replicas,
         foreign=task.mode,  # type: ignore[arg-type]
         peer_hint=task.peer_hint,
+        peer_interval_s=task.peer_interval_s,
     )
     return {
         "known": task.known,
@@ -127,7 +131,17 @@ def build_tasks(args: argparse.Namespace) -> list[Task]:
                     for r in args.replicas:
                         for mode in args.modes:
                             tasks.append(
-                                Task(known, scenario, rate, seed, args.requests, r, mode, args.peer_hint)
+                                Task(
+                                    known,
+                                    scenario,
+                                    rate,
+                                    seed,
+                                    args.requests,
+                                    r,
+                                    mode,
+                                    args.peer_hint,
+                                    args.peer_interval,
+                                )
                             )
     return tasks
 
@@ -218,6 +232,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="give every replica server.replicas = R (the start-up burst hint; writes replicas_peer_hint.*)",
     )
+    ap.add_argument(
+        "--peer-interval",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="the replicas exchange summaries every S seconds (hetroute.routing.peers; 0: no exchange); "
+        "writes replicas_peers.* (replicas_peers_hint.* with --peer-hint)",
+    )
     args = ap.parse_args(argv)
     args.scenarios = args.scenarios.split(",")
     args.rates = [math.inf if r.strip() == "inf" else float(r) for r in args.rates.split(",")]
@@ -243,6 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "replicas_peer_hint" if args.peer_hint else "replicas"
+    if args.peer_interval > 0:
+        stem = "replicas_peers_hint" if args.peer_hint else "replicas_peers"
     (args.out / f"{stem}.json").write_text(
         json.dumps({"meta": meta, "runs": rows, "cells": agg}, indent=1) + "\n"
     )

@@ -4,13 +4,15 @@
 Usage: ``python benchmarks/replicas_gateway.py [--requests 400] [--rates 24,inf] [--replicas 1,2,4]
 [--modes off,scaled_excess] [--speedup 2] [--seed 1] [--out benchmarks/results]``.
 Writes ``replicas_gateway.json`` and ``replicas_gateway.md`` (``replicas_gateway_peer_hint.*`` with
-``--peer-hint``).
+``--peer-hint``, ``replicas_gateway_peers.*`` with ``--peers``).
 
 The fleet, workload and client are ``policies_gateway.py``'s (paper-a: Llama-3-8B on V100 TP4 and
 TP1, a seeded ShareGPT-like workload replayed open-loop at ``--speedup``); every gateway runs the
 ``default`` policy with the given ``scrape.foreign_load`` mode (``server.replicas`` left at 1, the
 default a user gets; ``--peer-hint`` sets it to R) and scrapes every ``1 / speedup`` s.
-Request k goes to gateway k mod R. Reported: throughput and p99 TTFT (model seconds), and their ratios
+With ``--peers`` the gateways also exchange summaries over UDP on 127.0.0.1 (``peers``, every
+``0.1 / speedup`` s, a shared ``HETROUTE_PEER_KEY``). Request k goes to gateway k mod R.
+Reported: throughput and p99 TTFT (model seconds), and their ratios
 to one gateway at the same rate (issue 14's bars: ≥ 0.97 and ≤ 1.2).
 
 Caveat: on a 2-core machine the gateways, both emulators and this client share the CPU, and more
@@ -25,6 +27,7 @@ import json
 import math
 import os
 import platform
+import socket
 import sys
 import tempfile
 import time
@@ -52,10 +55,17 @@ from hetroute.sim.workload import generate_workload  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-async def _spawn(*cmd: str) -> asyncio.subprocess.Process:
+async def _spawn(*cmd: str, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+        *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, env=env
     )
+
+
+def _udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 async def run_one(replicas: int, mode: str, rate: float, args: argparse.Namespace) -> dict[str, Any]:
@@ -89,9 +99,11 @@ async def run_one(replicas: int, mode: str, rate: float, args: argparse.Namespac
                 | {"gpu": "V100-SXM2-32GB", "tp": tp}
             )
         gateways = []
+        udp = [_udp_port() for _ in range(replicas)]
+        env = {**os.environ, "HETROUTE_PEER_KEY": "replicas-gateway-benchmark"}
         for r in range(replicas):
             port = free_port()
-            config = {
+            config: dict[str, Any] = {
                 "seed": 1 + r,
                 "server": {
                     "host": "127.0.0.1",
@@ -103,9 +115,18 @@ async def run_one(replicas: int, mode: str, rate: float, args: argparse.Namespac
                 "scrape": {"interval_s": max(0.05, 1.0 / args.speedup), "foreign_load": mode},
                 "backends": backends,
             }
+            if args.peers and replicas > 1:
+                config["peers"] = {
+                    "addresses": [f"127.0.0.1:{p}" for p in udp],
+                    "listen_host": "127.0.0.1",
+                    "listen_port": udp[r],
+                    "interval_s": 0.1 / args.speedup,
+                    "stale_after_s": 0.5 / args.speedup,
+                }
             path = tmp / f"router{r}.yaml"
             path.write_text(yaml.safe_dump(config), encoding="utf-8")
-            procs.append(await _spawn(*HETROUTE, "serve", "--config", str(path), "--log-level", "WARNING"))
+            serve = (*HETROUTE, "serve", "--config", str(path), "--log-level", "WARNING")
+            procs.append(await _spawn(*serve, env=env))
             gateways.append(f"http://127.0.0.1:{port}")
         work = generate_workload("sharegpt", args.requests, rate, args.seed, 2048)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -139,6 +160,8 @@ def markdown(rows: Sequence[dict[str, Any]], args: argparse.Namespace, wall_s: f
         f"{platform.machine()}, {os.cpu_count()} cores, no GPU; {wall_s:.0f} s. Ratios to one gateway at the "
         "same rate (bars: throughput ≥ 0.97, p99 TTFT ≤ 1.2).",
         "",
+        f"Peers exchanging summaries: {'yes' if args.peers else 'no'}.",
+        "",
         "| rate | R | foreign_load | throughput tok/s | × one | p99 TTFT s | × one | failed |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -158,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rates", default="24,inf")
     ap.add_argument("--replicas", default="1,2,4")
     ap.add_argument("--peer-hint", action="store_true", help="set server.replicas = R in every gateway")
+    ap.add_argument("--peers", action="store_true", help="the gateways exchange summaries (peers)")
     ap.add_argument("--modes", default="off,scaled_excess")
     ap.add_argument("--speedup", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=1)
@@ -185,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     doc = {"benchmark": "replicas_gateway", "args": vars(args) | {"out": str(args.out)}, "results": rows}
     stem = "replicas_gateway_peer_hint" if args.peer_hint else "replicas_gateway"
+    if args.peers:
+        stem = "replicas_gateway_peers"
     (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     (args.out / f"{stem}.md").write_text(text)
     return 0

@@ -16,7 +16,10 @@ learning loop), which are cancelled and awaited before the sessions close.
 
 from __future__ import annotations
 
+import os
 import random
+import secrets
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -36,11 +39,13 @@ from hetroute.app_keys import (
     LEDGER,
     MEMBERSHIP,
     METRICS,
+    PEERS,
     ROUTER,
     SAVE_DIR,
     TELEMETRY,
     UPSTREAM,
 )
+from hetroute.backends.dns import make_resolver
 from hetroute.backends.health import HealthTracker
 from hetroute.backends.membership import Membership
 from hetroute.backends.scrape import MetricsStore
@@ -50,6 +55,7 @@ from hetroute.learning.build import build_live_models
 from hetroute.learning.live import LiveModels
 from hetroute.learning.state import load_saved
 from hetroute.lifecycle import background_tasks, client_session, close_admission, learning_loop
+from hetroute.peer_channel import PeerChannel
 from hetroute.policies import PolicyContext, build_policy
 from hetroute.policies.backend_model import BackendModels
 from hetroute.prefix.state import PrefixState
@@ -62,6 +68,7 @@ from hetroute.proxy.protocols import TokenEstimator
 from hetroute.proxy.server import Gateway, add_routes
 from hetroute.proxy.upstream import Upstream
 from hetroute.routing.ledger import Ledger
+from hetroute.routing.peers import PeerView
 from hetroute.routing.router import Router
 from hetroute.telemetry import Telemetry
 from hetroute.types import BackendSpec, Clock, Policy
@@ -77,6 +84,7 @@ __all__ = [
     "LEDGER",
     "MEMBERSHIP",
     "METRICS",
+    "PEERS",
     "ROUTER",
     "SAVE_DIR",
     "TELEMETRY",
@@ -121,13 +129,16 @@ def build_app(
     --workers`` (None: the only process). Worker k draws its random choices from ``seed + k``
     (policy tie-breaks, predictor, request-id prefix), so the workers' choices differ; every response
     it prepares carries ``x-hetroute-worker: k``; and all workers load saved models from
-    ``learning.state_dir`` but only worker 0 writes there, so no two processes write one file.
+    ``learning.state_dir`` but only worker 0 writes there, so no two processes write one file. With
+    ``peers.addresses`` set, the router exchanges summaries with the other replicas (every worker is a
+    replica of its own, with a random replica id, listening on ``peers.listen_port + k``).
     """
     clock = clock or MonotonicClock()
     seed = (cfg.seed if seed is None else seed) + (worker or 0)
     registry = registry if registry is not None else CollectorRegistry()
     telemetry = Telemetry(registry)
-    cluster = _cluster(cfg, seed, clock, telemetry)
+    replica = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"  # unique per process
+    cluster = _cluster(cfg, seed, clock, telemetry, replica)
     _bind_telemetry(telemetry, cluster)
     forwarder = _forwarder(cfg, cluster, telemetry, clock, seed, access_sink, registry)
     gate = forwarder.admission
@@ -165,6 +176,19 @@ def build_app(
     app[CONFIG] = cfg
     app[TELEMETRY] = telemetry
     _register(app, cluster, forwarder, worker)
+    if cfg.peers.enabled and cfg.peer_key:
+        channel = PeerChannel(
+            cluster.router,
+            cfg.peers,
+            cfg.peer_key.encode(),
+            make_resolver(cfg.dns),
+            worker=worker or 0,
+            workers=cfg.server.workers,
+            on_result=telemetry.peer_datagram,
+        )
+        app[PEERS] = channel
+        assert cluster.router.peers is not None
+        telemetry.bind_peers(cluster.router.peers, clock.now)
     add_routes(app, gateway)
     return app
 
@@ -182,8 +206,9 @@ class _Cluster:
     membership: Membership
 
 
-def _cluster(cfg: Config, seed: int, clock: Clock, telemetry: Telemetry) -> _Cluster:
-    """Models, learner, health, scrapes, ledger, router and membership for ``cfg``'s backends."""
+def _cluster(cfg: Config, seed: int, clock: Clock, telemetry: Telemetry, replica: str) -> _Cluster:
+    """Models, learner, health, scrapes, ledger, router and membership for ``cfg``'s backends;
+    ``replica`` names this router among its peers (``peers``)."""
     specs = cfg.specs()
     names = [s.name for s in specs]
     # The backends' static latency models (profile → roofline prior → neutral default) are resolved
@@ -216,6 +241,7 @@ def _cluster(cfg: Config, seed: int, clock: Clock, telemetry: Telemetry) -> _Clu
         prefix=PrefixState(len(specs), cfg.prefix) if cfg.prefix.enabled else None,
         foreign=cfg.scrape.foreign_load,
         replicas=cfg.server.replicas * cfg.server.workers,
+        peers=PeerView(replica, names, cfg.peers.stale_after_s) if cfg.peers.enabled else None,
     )
     metrics.on_publish = router.scraped
     membership = Membership(

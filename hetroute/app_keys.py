@@ -11,6 +11,7 @@ from hetroute.backends.membership import Membership
 from hetroute.backends.scrape import MetricsStore
 from hetroute.config import Config
 from hetroute.learning.live import LiveModels
+from hetroute.peer_channel import PeerChannel
 from hetroute.proxy.client_limits import ClientGuard
 from hetroute.proxy.forward import Forwarder
 from hetroute.proxy.upstream import Upstream
@@ -31,4 +32,5 @@ MEMBERSHIP = web.AppKey("membership", Membership)
 LEARNER = web.AppKey("learner", LiveModels)
 CLIENT_GUARD = web.AppKey("client_guard", ClientGuard)
 SAVE_DIR = web.AppKey("save_dir", str)
+PEERS = web.AppKey("peers", PeerChannel)
 """Where this app writes its learned models (absent: it writes none)."""

@@ -1,5 +1,6 @@
 """An app's lifecycle (aiohttp ``cleanup_ctx`` and ``on_cleanup``): the upstream sessions, then the
-background tasks (per-backend probes and scrapes, DNS discovery, the learning loop), which are
+background tasks (per-backend probes and scrapes, DNS discovery, the learning loop, the peer channel's
+socket and send loop), which are
 cancelled and awaited before the sessions close, and the learned models saved at the end."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from hetroute.app_keys import (
     LEARNER,
     MEMBERSHIP,
     METRICS,
+    PEERS,
     ROUTER,
     SAVE_DIR,
     UPSTREAM,
@@ -65,7 +67,20 @@ async def background_tasks(app: web.Application) -> AsyncIterator[None]:
     save_dir = app.get(SAVE_DIR)
     if learner is not None:
         tasks.append(asyncio.create_task(learning_loop(learner, router, cfg, save_dir)))
+    peers = app.get(PEERS)
+    if peers is not None:  # the other router replicas' summaries (peer_channel.py)
+        try:
+            await peers.start()
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await per_backend.close()
+            raise
+        tasks.append(asyncio.create_task(peers.run()))
     yield
+    if peers is not None:
+        peers.close()
     membership.on_join.remove(per_backend.start)
     membership.on_leave.remove(per_backend.stop)
     for task in tasks:

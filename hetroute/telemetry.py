@@ -18,6 +18,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from hetroute.learning.live import LiveModels
 from hetroute.prefix.state import PrefixState
+from hetroute.routing.peers import PeerView
 from hetroute.types import FloatArray
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -189,6 +190,37 @@ class Telemetry:
             "Prefix index: cached prompt tokens expected at dispatch / prompt tokens dispatched.",
             registry=r,
         ).set_function(lambda: prefix.expected_hit_tokens_total / max(prefix.input_tokens_total, 1.0))
+
+    def bind_peers(self, peers: PeerView, now: Callable[[], float]) -> None:
+        """Export the replica exchange, computed on scrape: ``hetroute_peer_replicas`` (other replicas
+        whose summary is current) and ``hetroute_peer_requests`` per backend (their requests in flight
+        there); :meth:`peer_datagram` counts ``hetroute_peer_datagrams_total`` by result."""
+        r = self.registry
+        self._peer_datagrams = Counter(
+            "hetroute_peer_datagrams",
+            "Peer summaries received (accepted, unauthenticated, malformed) and sends that failed.",
+            ["result"],
+            registry=r,
+        )
+        Gauge(
+            "hetroute_peer_replicas", "Other router replicas whose summary is current.", registry=r
+        ).set_function(lambda: float(peers.peers(now())))
+        gauge = Gauge(
+            "hetroute_peer_requests",
+            "Requests the other router replicas have in flight on the backend (their summaries).",
+            ["backend"],
+            registry=r,
+        )
+
+        def requests(i: int) -> float:
+            totals = peers.totals(now())
+            return 0.0 if totals is None else float(totals[0][i])
+
+        self._per_backend(gauge, requests)
+
+    def peer_datagram(self, result: str) -> None:
+        """One peer datagram's outcome (``bind_peers`` first)."""
+        self._child(self._peer_datagrams, (result,)).inc()
 
     def on_decision(self, policy: str, backend: str, elapsed_s: float) -> None:
         self._child(self.decision, (policy,)).observe(elapsed_s)

@@ -110,7 +110,9 @@ def backend_entry(emu: Emu) -> dict[str, Any]:
 
 @pytest.fixture
 def gateway(stack: AsyncExitStack) -> GatewayFn:
-    async def start(backends: Sequence[Emu | dict[str, Any]], **sections: Any) -> Gateway:
+    async def start(
+        backends: Sequence[Emu | dict[str, Any]], env: Mapping[str, str] | None = None, **sections: Any
+    ) -> Gateway:
         data: dict[str, Any] = {
             "backends": [b if isinstance(b, dict) else backend_entry(b) for b in backends],
             "policy": {"type": "round_robin"},
@@ -121,7 +123,7 @@ def gateway(stack: AsyncExitStack) -> GatewayFn:
         }
         for key, value in sections.items():
             data[key] = {**data[key], **value} if isinstance(data.get(key), dict) else value
-        app = build_app(config_from_dict(data, env={}), registry=CollectorRegistry())
+        app = build_app(config_from_dict(data, env=env or {}), registry=CollectorRegistry())
         runner, port = await start_app(app)
         stack.push_async_callback(runner.cleanup)
         return Gateway(f"http://127.0.0.1:{port}", app)

@@ -46,12 +46,14 @@ from hetroute.fields import (
     string,
 )
 from hetroute.learning.settings import LearningConfig
+from hetroute.peer_settings import PeersConfig, check_peers
 from hetroute.policy_names import policy_names
 from hetroute.prefix.settings import PrefixConfig
 from hetroute.types import BackendSpec
 
 __all__ = [
     "ADMIN_TOKEN_ENV",
+    "PEER_KEY_ENV",
     "DEFAULT_POLICY_TYPE",
     "SHARED_PORT_ZERO",
     "AdmissionConfig",
@@ -61,6 +63,7 @@ __all__ = [
     "DnsConfig",
     "HealthConfig",
     "LearningConfig",
+    "PeersConfig",
     "PrefixConfig",
     "RetryConfig",
     "ScrapeConfig",
@@ -74,6 +77,7 @@ __all__ = [
 ]
 
 ADMIN_TOKEN_ENV = "HETROUTE_ADMIN_TOKEN"
+PEER_KEY_ENV = "HETROUTE_PEER_KEY"
 DEFAULT_POLICY_TYPE = "default"
 
 
@@ -100,7 +104,10 @@ class Config:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
     dns: DnsConfig = field(default_factory=DnsConfig)
+    peers: PeersConfig = field(default_factory=PeersConfig)
     admin_token: str | None = None
+    peer_key: str | None = field(default=None, repr=False)
+    """The replicas' shared key (``HETROUTE_PEER_KEY``; environment only, never in the file)."""
     default_model: str | None = None
     seed: int = 0
 
@@ -119,7 +126,7 @@ class Config:
 _TOP_KEYS = (
     "backends", "defaults", "profiles", "policy", "predictor", "server", "timeouts", "retries",
     "health", "scrape", "tokens", "learning", "admin_token", "default_model", "seed", "admission",
-    "prefix", "dns",
+    "prefix", "dns", "peers",
 )  # fmt: skip
 
 
@@ -150,16 +157,22 @@ def config_from_dict(
     check_keys(root, _TOP_KEYS, "")
     profiles = parse_profiles(root.get("profiles"))
     backends = parse_backends(root.get("backends"), root.get("defaults"), profiles, base_dir or Path.cwd())
+    sections = parse_sections(root)
+    peers = read_dataclass(PeersConfig, root.get("peers"), "peers")
+    peer_key = env.get(PEER_KEY_ENV) or None
+    check_peers(peers, peer_key, sections["server"].workers)
     return Config(
         backends=backends,
         policy=_policy(root.get("policy")),
         predictor=_component(root.get("predictor"), "predictor", None),
         admission=parse_admission(root.get("admission")),
         dns=read_dataclass(DnsConfig, root.get("dns"), "dns"),
+        peers=peers,
+        peer_key=peer_key,
         admin_token=opt_string(root, "admin_token", "<root>") or env.get(ADMIN_TOKEN_ENV) or None,
         default_model=opt_string(root, "default_model", "<root>"),
         seed=integer(root, "seed", "<root>", 0, NON_NEGATIVE),
-        **parse_sections(root),
+        **sections,
     )
 
 

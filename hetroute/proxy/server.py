@@ -230,6 +230,7 @@ class Gateway:
         sources = describe_models(self.backend_models, last)
         learner = self.learner
         foreign = router.foreign_requests()
+        peer_totals = router.peers.totals(router.clock.now()) if router.peers is not None else None
         out = []
         for i, spec in enumerate(router.backends):
             state = self.membership.state(i) if self.membership is not None else "member"
@@ -265,6 +266,9 @@ class Gateway:
                     "health": self.health.describe(i),
                     "ledger": router.ledger.backend_load(i),
                     "foreign_requests": round(float(foreign[i]), 2),
+                    "peer_requests": None
+                    if router.peers is None
+                    else (0.0 if peer_totals is None else float(peer_totals[0][i])),
                     "engine_metrics": asdict(metrics) if metrics is not None else None,
                     "engine_metrics_age_s": None if age is None else round(age, 3),
                     "engine_metrics_error": self.metrics.errors[i],

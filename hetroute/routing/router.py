@@ -26,6 +26,7 @@ from hetroute.learning.observation import Observation
 from hetroute.prefix.state import PrefixState
 from hetroute.routing.foreign import DEFAULT_FOREIGN_MODE, ForeignLoad, ForeignMode
 from hetroute.routing.ledger import Ledger, Ticket
+from hetroute.routing.peers import PeerSummary, PeerView
 from hetroute.types import (
     Api,
     BackendSpec,
@@ -40,6 +41,9 @@ from hetroute.types import (
     RoutingDecision,
     engine_speaks,
 )
+
+_INPUT, _GENERATED = 0, 2
+"""Rows of ``Ledger.snapshot_arrays``' float array: input tokens and generated tokens in flight."""
 
 MIN_TOKEN_GAP_S = 1e-4
 """A stream whose tokens after the first arrived faster than this per token was delivered in one burst
@@ -79,10 +83,12 @@ class Router:
         available_all: Callable[[], tuple[bool, ...]] | None = None,
         latest_metrics_all: Callable[[], tuple[EngineMetrics | None, ...]] | None = None,
         replicas: int = 1,
+        peers: PeerView | None = None,
     ) -> None:
         """``available_all`` / ``latest_metrics_all``, when given, must equal ``is_available`` /
         ``latest_metrics`` over every backend in one call (the gateway's health tracker and metrics
-        store provide them: one call per decision instead of one per backend)."""
+        store provide them: one call per decision instead of one per backend). ``peers``: the other
+        router replicas' summaries (:mod:`hetroute.routing.peers`), when replicas exchange them."""
         if ledger.backend_names != tuple(b.name for b in backends):
             raise ValueError("the ledger's backends differ from the router's")
         self.backends: tuple[BackendSpec, ...] = tuple(backends)
@@ -101,6 +107,10 @@ class Router:
         """Slots whose backend left the cluster (draining, or free for the next backend added): never
         routed to, not listed (live backend changes, :mod:`hetroute.backends.membership`)."""
         self.foreign = ForeignLoad(len(self.backends), foreign, peers=max(replicas - 1, 0))
+        self.peers = peers
+        self._outbox: list[tuple[str, Observation]] = []
+        """Observations of this router's completions since its last summary (with ``peers`` only)."""
+        self._peer_seq = 0
         self._decide_started = 0.0  # timer reading at the start of the last decide()
         self._backends_changed()
 
@@ -147,6 +157,8 @@ class Router:
         self.backends = tuple(backends)
         self.retired = self.retired - {index}
         self._backends_changed()
+        if self.peers is not None:
+            self.peers.set_backends([b.name for b in self.backends])
 
     def retire(self, index: int) -> None:
         """Stop routing to slot ``index`` at once; its in-flight requests run to their end."""
@@ -207,11 +219,15 @@ class Router:
             flags.flags.writeable = False
             self._available_key, self._available = available, flags
         requests, floats = self.ledger.snapshot_arrays()
-        foreign = self.foreign.counts(metrics, requests)
-        if foreign is not None:  # other routers' requests, from the engines' scrapes (foreign.py)
-            requests, floats = self.foreign.added(foreign, requests, floats)
-        learner = self.learner
         now = self.clock.now()
+        totals = self.peers.totals(now) if self.peers is not None else None
+        if totals is not None:  # the other replicas' own summaries (peers.py) replace the estimate
+            requests, floats = _plus(requests, floats, totals)
+        else:
+            foreign = self.foreign.counts(metrics, requests)
+            if foreign is not None:  # other routers' requests, from the engines' scrapes (foreign.py)
+                requests, floats = self.foreign.added(foreign, requests, floats)
+        learner = self.learner
         matched = None
         session_backend = -1
         if prefix is not None and features is not None:
@@ -239,15 +255,57 @@ class Router:
         return snap, available
 
     def foreign_requests(self) -> FloatArray:
-        """Requests per backend this router counts as sent by others, under the latest scrapes."""
+        """Requests per backend this router counts as sent by others, under the latest scrapes (none
+        while a peer's summary is current: the summaries replace the estimate)."""
+        if self.peers is not None and self.peers.totals(self.clock.now()) is not None:
+            return np.zeros(len(self.backends), dtype=np.float64)  # the peers' summaries replace it
         metrics = tuple([self._latest_metrics(i) for i in self._range])
         counts = self.foreign.counts(metrics, self.ledger.requests_in_flight)
         return counts if counts is not None else np.zeros(len(self.backends), dtype=np.float64)
 
     def scraped(self, i: int, metrics: EngineMetrics) -> None:
         """Backend ``i``'s scrape ``metrics`` was just published: set the engine's request count
-        against this router's own at this instant (:class:`ForeignLoad`)."""
-        self.foreign.scraped(i, metrics, float(self.ledger.requests_in_flight[i]))
+        against this router's own at this instant, and its peers' (:class:`ForeignLoad`)."""
+        own = float(self.ledger.requests_in_flight[i])
+        if self.peers is not None:
+            totals = self.peers.totals(self.clock.now())
+            if totals is not None:
+                own += float(totals[0][i])
+        self.foreign.scraped(i, metrics, own)
+
+    def publish(self) -> PeerSummary:
+        """This router's summary for its peers now: its ledger per backend and the observations of its
+        completions since the last summary (which it hands over). Needs ``peers``."""
+        peers = self.peers
+        if peers is None:
+            raise RuntimeError("publish needs a PeerView (replicas exchanging summaries)")
+        self._peer_seq += 1
+        requests, floats = self.ledger.snapshot_arrays()
+        live = [i for i in self._range if i not in self.retired]
+        observations, self._outbox = tuple(self._outbox), []
+        return PeerSummary(
+            replica=peers.replica,
+            seq=self._peer_seq,
+            sent_at_s=self.clock.now(),
+            backends=tuple(self.backends[i].name for i in live),
+            requests=tuple(float(requests[i]) for i in live),
+            rows=tuple(tuple(float(floats[r, i]) for i in live) for r in range(floats.shape[0])),
+            observations=observations,
+        )
+
+    def receive(self, summary: PeerSummary) -> int:
+        """A peer's ``summary`` arrived: hold its in-flight load and learn from its completions.
+        Returns how many of its observations the learner took. Needs ``peers``."""
+        peers = self.peers
+        if peers is None:
+            raise RuntimeError("receive needs a PeerView (replicas exchanging summaries)")
+        observations = peers.receive(summary, self.clock.now())
+        learner = self.learner
+        if learner is None:
+            return 0
+        for obs in observations:
+            learner.observe(obs)
+        return len(observations)
 
     def _capacities(self, metrics: tuple[EngineMetrics | None, ...]) -> FloatArray:
         """KV capacity: the profile, then the engine's own report, then the config (types.py)."""
@@ -340,8 +398,16 @@ class Router:
         return ticket
 
     def first_token(self, ticket: Ticket, now_s: float) -> None:
-        """The first token of ``ticket``'s answer arrived at ``now_s`` (idempotent; see the ledger)."""
+        """The first token of ``ticket``'s answer arrived at ``now_s`` (idempotent; see the ledger). With
+        peers, the load the ticket records for the learner includes theirs."""
+        marked = ticket.first_token_at_s is None and not ticket.released
         self.ledger.first_token(ticket, now_s)
+        if marked and self.peers is not None:
+            totals = self.peers.totals(now_s)
+            if totals is not None:
+                i = ticket.backend_index
+                ticket.in_flight_at_first += float(totals[0][i])
+                ticket.context_at_first += float(totals[1][_INPUT, i] + totals[1][_GENERATED, i])
 
     def observe_generated(self, ticket: Ticket, generated_tokens: int) -> None:
         """``ticket``'s answer has streamed ``generated_tokens`` tokens so far (cumulative)."""
@@ -372,24 +438,42 @@ class Router:
             # A stream that came in one burst (buffered upstream) is learned from its e2e only.
             ttft = None if burst else first - ticket.dispatched_at_s
         metrics = self._latest_metrics(i)
-        learner.observe(
-            Observation(
-                backend_index=i,
-                finished_at_s=now,
-                input_tokens=input_tokens if input_tokens is not None else ticket.input_tokens,
-                output_tokens=output_tokens,
-                ttft_s=ttft,
-                e2e_s=now - ticket.dispatched_at_s,
-                pending_tokens_ahead=ticket.pending_tokens_ahead,
-                in_flight_at_first=ticket.in_flight_at_first,
-                context_at_first=ticket.context_at_first,
-                in_flight_at_end=float(ledger.requests_in_flight[i]),
-                context_at_end=float(ledger.input_tokens_in_flight[i] + ledger.generated_tokens_in_flight[i]),
-                engine_running=metrics.num_requests_running if metrics is not None else None,
-                cached_tokens=float(ticket.input_tokens - ticket.prefill_tokens),
-            )
+        in_flight_end = float(ledger.requests_in_flight[i])
+        context_end = float(ledger.input_tokens_in_flight[i] + ledger.generated_tokens_in_flight[i])
+        totals = self.peers.totals(now) if self.peers is not None else None
+        if totals is not None:  # the engine's batch holds the peers' requests too
+            in_flight_end += float(totals[0][i])
+            context_end += float(totals[1][_INPUT, i] + totals[1][_GENERATED, i])
+        obs = Observation(
+            backend_index=i,
+            finished_at_s=now,
+            input_tokens=input_tokens if input_tokens is not None else ticket.input_tokens,
+            output_tokens=output_tokens,
+            ttft_s=ttft,
+            e2e_s=now - ticket.dispatched_at_s,
+            pending_tokens_ahead=ticket.pending_tokens_ahead,
+            in_flight_at_first=ticket.in_flight_at_first,
+            context_at_first=ticket.context_at_first,
+            in_flight_at_end=in_flight_end,
+            context_at_end=context_end,
+            engine_running=metrics.num_requests_running if metrics is not None else None,
+            cached_tokens=float(ticket.input_tokens - ticket.prefill_tokens),
         )
+        learner.observe(obs)
+        if self.peers is not None:
+            self._outbox.append((self.backends[i].name, obs))
 
     def release(self, ticket: Ticket) -> bool:
         """Release a ticket's accounting; effective exactly once."""
         return self.ledger.release(ticket, self.clock.now())
+
+
+def _plus(
+    requests: IntArray, floats: FloatArray, totals: tuple[FloatArray, FloatArray]
+) -> tuple[IntArray, FloatArray]:
+    """The ledger's snapshot arrays with the peers' ``totals`` added (read-only copies)."""
+    out_requests: IntArray = requests + np.rint(totals[0]).astype(requests.dtype)
+    out_requests.flags.writeable = False
+    out_floats: FloatArray = floats + totals[1]
+    out_floats.flags.writeable = False
+    return out_requests, out_floats

@@ -83,6 +83,7 @@ _SLOWDOWN = 4
 WAKE = 5
 """An admission queue's timer (admission_run.py): the one event kind a subclass schedules."""
 _ADMIT = 6  # an arrival the client held back (``client_connections``) goes out now
+_PEER = 7  # the replicas exchange their summaries (``peer_interval_s``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +147,9 @@ class Run:
         with a connection pool sends (``benchmarks/admission_gateway.py --client-connections``)."""
         self.open_requests = 0
         self.held: deque[int] = deque()
+        self.peer_interval_s = 0.0
+        """With several routers that hold a ``PeerView``: every this many seconds each publishes its
+        summary and the others receive it at once (0: no exchange)."""
 
     def latest_metrics(self, i: int) -> EngineMetrics | None:
         if self.scrape_interval_s > 0:
@@ -260,7 +264,7 @@ class Run:
                 if streamed:
                     ticket = self.tickets[k]
                     assert ticket is not None
-                    self.router_of(k).ledger.first_token(ticket, now_s)
+                    self.router_of(k).first_token(ticket, now_s)
                 self.ttft_s[k] = now_s - workload[k].arrival_s
         for rid in outcome.finished:
             self.open_requests -= 1
@@ -270,7 +274,7 @@ class Run:
             router = self.router_of(k)
             req = workload[k]
             if not req.stream:
-                router.ledger.first_token(ticket, now_s)  # as the gateway marks a whole answer
+                router.first_token(ticket, now_s)  # as the gateway marks a whole answer
             if router.learner is not None:
                 router.complete(ticket, self.generated[k], streamed=req.stream)
             router.release(ticket)
@@ -312,6 +316,17 @@ class Run:
             return [(now_s + learner.config.refit_interval_s, _REFIT, 0)]
         return []
 
+    def on_peer(self, now_s: float) -> list[tuple[float, int, int]]:
+        """The replicas exchange summaries (``routing/peers.py``), with no transit time."""
+        self._flush_generated()
+        summaries = [router.publish() for router in self.routers]
+        for router in self.routers:
+            for summary in summaries:
+                router.receive(summary)  # its own summary is ignored
+        if self.arrivals_left > 0 or any(p is not None for p in self.pending):
+            return [(now_s + self.peer_interval_s, _PEER, 0)]
+        return []
+
     def admission_result(self) -> dict[str, Any]:
         """Extra :class:`SimResult` fields of an admission run (none here)."""
         return {}
@@ -344,6 +359,9 @@ class Run:
         for slow in self.slowdowns:
             heapq.heappush(heap, (slow.after_s, _SLOWDOWN, seq, slow.backend_index))
             seq += 1
+        if self.peer_interval_s > 0 and len(self.routers) > 1 and self.workload:
+            heapq.heappush(heap, (self.workload[0].arrival_s, _PEER, seq, 0))
+            seq += 1
         clock = self.clock
         events = 0
         while heap:
@@ -367,6 +385,8 @@ class Run:
                 new = self.on_refit(now_s)
             elif kind == WAKE:
                 new = self.on_wake(now_s)
+            elif kind == _PEER:
+                new = self.on_peer(now_s)
             else:
                 new = self.on_slowdown(index)
             for t, kd, idx in new:

@@ -32,6 +32,7 @@ from hetroute.prefix.settings import PrefixConfig
 from hetroute.prefix.state import PrefixState
 from hetroute.routing.foreign import DEFAULT_FOREIGN_MODE, ForeignMode
 from hetroute.routing.ledger import Ledger
+from hetroute.routing.peers import DEFAULT_STALE_INTERVALS, PeerView
 from hetroute.routing.router import Router
 from hetroute.sim.cluster_file import Fleet, SimClusterSpec, build_fleet
 from hetroute.sim.workload import SimRequest
@@ -123,6 +124,7 @@ def run_simulation(
     peer_hint: bool = False,
     foreign: ForeignMode = DEFAULT_FOREIGN_MODE,
     client_connections: int = 0,
+    peer_interval_s: float = 0.0,
 ) -> SimResult:
     """Simulate ``workload`` (sorted by arrival) on ``cluster`` routed by ``policy_name``.
 
@@ -139,11 +141,16 @@ def run_simulation(
     ``replicas`` runs that many routers, each with its own ledger, policy, latency learner and prefix
     index, taking arrivals in turn (request k goes to replica k mod ``replicas``); they share the
     engines' scraped metrics and the output-length predictor. ``foreign`` is how each router counts the
-    requests the others sent (``hetroute.routing.foreign``). ``client_connections`` > 0 models a
+    requests the others sent (``hetroute.routing.foreign``); with ``peer_interval_s`` > 0 the replicas
+    also exchange summaries of their ledgers and completions that often (``hetroute.routing.peers``:
+    each adds the others' in-flight load to its snapshots and learns from their completions), with no
+    transit time. ``client_connections`` > 0 models a
     client with that many connections: an arrival beyond them waits in the client until an answer or
     a refusal frees one (its times still count from its arrival); 0 sends every request on arrival.
     """
     _check_options(replicas, admission, policy_name, scrape_interval_s)
+    if peer_interval_s < 0 or not math.isfinite(peer_interval_s):
+        raise ConfigError("peer_interval_s", f"must be a finite number >= 0, got {peer_interval_s}")
     if client_connections < 0:
         raise ConfigError("client_connections", f"must be >= 0, got {client_connections}")
     fleet = cluster if isinstance(cluster, Fleet) else build_fleet(cluster)
@@ -164,7 +171,11 @@ def run_simulation(
         else:
             policy = policy_name
         hint = replicas if peer_hint else 1
-        return _build_router(fleet, policy, models, clock, holder, learning, prefix, foreign, hint)
+        peers = None
+        if peer_interval_s > 0 and replicas > 1:
+            names = [b.name for b in fleet.backends]
+            peers = PeerView(f"replica-{r}", names, DEFAULT_STALE_INTERVALS * peer_interval_s)
+        return _build_router(fleet, policy, models, clock, holder, learning, prefix, foreign, hint, peers)
 
     router = replica(0)
     policy = router.policy
@@ -172,6 +183,7 @@ def run_simulation(
     if admission is None:
         others = [replica(r) for r in range(1, replicas)]
         run = Run(fleet, workload, router, pred, clock, scrape_interval_s, learner, slowdowns, others)
+        run.peer_interval_s = peer_interval_s
     else:
         run = AdmittedRun(
             fleet, workload, router, pred, clock, scrape_interval_s, admission, learner, slowdowns
@@ -220,6 +232,7 @@ def _build_router(
     prefix: PrefixConfig | None,
     foreign: ForeignMode,
     replicas: int = 1,
+    peers: PeerView | None = None,
 ) -> Router:
     """One router over ``fleet`` with its own ledger, learner and prefix index.
 
@@ -235,6 +248,7 @@ def _build_router(
         prefix=PrefixState(len(fleet.backends), prefix) if prefix is not None and prefix.enabled else None,
         foreign=foreign,
         replicas=replicas,
+        peers=peers,
     )
 
 

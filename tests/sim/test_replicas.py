@@ -43,6 +43,26 @@ def test_replicas_share_the_traffic_and_each_ledger_releases_to_zero(mode: str) 
     assert four.throughput_tokens_per_s >= 0.97 * single.throughput_tokens_per_s
 
 
+def test_replicas_exchanging_summaries_each_learn_from_every_completion() -> None:
+    fleet = build_fleet(get_scenario("paper-b").cluster())
+    wl = generate_workload("sharegpt", 600, 24.0, 2, fleet.max_model_len())
+    runs = {
+        interval: run_simulation(
+            fleet, wl, "default", {}, replicas=4, learning=LearningConfig(), peer_interval_s=interval
+        )
+        for interval in (0.0, 0.1)
+    }
+    for result in runs.values():
+        assert result.completed == 600 and result.ledger_zero
+    seen = {}
+    for interval, result in runs.items():
+        learned = result.learned
+        assert learned is not None  # replica 0's learner
+        seen[interval] = sum(learned.observed_total(i) for i in range(len(fleet.backends)))
+    assert seen[0.0] == 150  # its own quarter
+    assert seen[0.1] >= 0.97 * 600  # everyone's, but those finished after the last exchange
+
+
 def test_replicas_are_validated() -> None:
     fleet = build_fleet(get_scenario("paper-a").cluster())
     wl = generate_workload("sharegpt", 20, 8.0, 1, fleet.max_model_len())
@@ -50,6 +70,8 @@ def test_replicas_are_validated() -> None:
         run_simulation(fleet, wl, "default", {}, replicas=0)
     with pytest.raises(ConfigError, match="replicas"):
         run_simulation(fleet, wl, "default", {}, replicas=2, admission=SimAdmission(AdmissionConfig()))
+    with pytest.raises(ConfigError, match="peer_interval_s"):
+        run_simulation(fleet, wl, "default", {}, replicas=2, peer_interval_s=-1.0)
 
 
 def test_simulate_command_runs_replicas(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

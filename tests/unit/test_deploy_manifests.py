@@ -109,7 +109,12 @@ def _generated() -> list[dict[str, Any]]:
 def _router_config() -> Config:
     (gen,) = KUSTOMIZATION["configMapGenerator"]
     (file,) = _generator_files(gen).values()
-    return load_config(K8S / file, env={})
+    return load_config(K8S / file, env={"HETROUTE_PEER_KEY": "example-key"})  # the Secret's, in the pod
+
+
+def _secret_generator(name: str) -> dict[str, Any]:
+    (gen,) = [g for g in KUSTOMIZATION["secretGenerator"] if g["name"] == name]
+    return dict(gen)
 
 
 def _mount_path(volume_name: str) -> str:
@@ -158,15 +163,20 @@ def test_kustomization_lists_every_manifest_and_generates_config_and_token() -> 
     (config_gen,) = KUSTOMIZATION["configMapGenerator"]
     assert all((K8S / f).is_file() for f in _generator_files(config_gen).values())
     assert _volume("config")["configMap"]["name"] == config_gen["name"]
-    (secret_gen,) = KUSTOMIZATION["secretGenerator"]
-    assert _volume("admin-token")["secret"]["secretName"] == secret_gen["name"]
-    # the token file is the operator's to create, never committed
-    token_file = K8S / _generator_files(secret_gen)["token"]
-    assert f"{token_file.relative_to(REPO)}" in (REPO / ".gitignore").read_text(encoding="utf-8").split()
-    tracked = subprocess.run(
-        ["git", "ls-files", str(token_file.relative_to(REPO))], cwd=REPO, capture_output=True, text=True
-    )
-    assert tracked.returncode != 0 or tracked.stdout.strip() == ""
+    admin = _secret_generator("hetroute-admin")
+    assert _volume("admin-token")["secret"]["secretName"] == admin["name"]
+    assert {g["name"] for g in KUSTOMIZATION["secretGenerator"]} == {"hetroute-admin", "hetroute-peer-key"}
+    # the token and the peer key are the operator's to create, never committed
+    for secret_file in (
+        _generator_files(admin)["token"],
+        _generator_files(_secret_generator("hetroute-peer-key"))["key"],
+    ):
+        path = K8S / secret_file
+        assert f"{path.relative_to(REPO)}" in (REPO / ".gitignore").read_text(encoding="utf-8").split()
+        tracked = subprocess.run(
+            ["git", "ls-files", str(path.relative_to(REPO))], cwd=REPO, capture_output=True, text=True
+        )
+        assert tracked.returncode != 0 or tracked.stdout.strip() == ""
     (image,) = KUSTOMIZATION["images"]
     assert CONTAINER["image"].split(":")[0] == image["name"]
     assert KUSTOMIZATION["namespace"] == _one("Namespace")["metadata"]["name"]
@@ -274,8 +284,7 @@ def test_command_parses_and_its_paths_are_the_mounted_volumes() -> None:
     # --admin-token-file: the Secret's key, mounted read-only (not an environment variable)
     mount, volume = _volume_mounted_at(args.admin_token_file)
     assert mount["readOnly"] is True and "secret" in volume
-    (secret_gen,) = KUSTOMIZATION["secretGenerator"]
-    assert Path(args.admin_token_file).name in _generator_files(secret_gen)
+    assert Path(args.admin_token_file).name in _generator_files(_secret_generator("hetroute-admin"))
     assert not any("TOKEN" in e["name"] for e in CONTAINER.get("env", []))
     # --state-dir: the one writable volume (the root filesystem is read-only)
     mount, volume = _volume_mounted_at(args.state_dir)
@@ -318,6 +327,23 @@ async def test_probes_answer_from_the_app_built_from_the_configmap(emulate: Emul
                 assert r.status == 200 and "hetroute_" in await r.text()
     finally:
         await runner.cleanup()
+
+
+def test_the_routers_exchange_summaries_through_a_headless_service_with_the_secrets_key() -> None:
+    cfg = _router_config()
+    peers = _one("Service", "hetroute-peers")
+    assert peers["spec"]["clusterIP"] == "None" and peers["spec"]["publishNotReadyAddresses"] is True
+    labels = DEPLOYMENT["spec"]["template"]["metadata"]["labels"]
+    assert peers["spec"]["selector"].items() <= labels.items()
+    (port,) = peers["spec"]["ports"]
+    (container_port,) = [p for p in CONTAINER["ports"] if p["name"] == port["targetPort"]]
+    assert port["protocol"] == container_port["protocol"] == "UDP"
+    assert cfg.peers.enabled and cfg.peers.addresses == (("hetroute-peers", port["port"]),)
+    assert cfg.peers.listen_port == container_port["containerPort"] and cfg.peers.listen_host == "0.0.0.0"
+    (env,) = [e for e in CONTAINER["env"] if e["name"] == "HETROUTE_PEER_KEY"]
+    ref = env["valueFrom"]["secretKeyRef"]
+    gen = _secret_generator(ref["name"])
+    assert ref["key"] in _generator_files(gen)
 
 
 def test_service_and_pdb_select_the_router_pods() -> None:

@@ -1,0 +1,172 @@
+"""A :class:`~hetroute.routing.peers.PeerSummary` as one authenticated UDP datagram, and back.
+
+Layout: ``MAGIC`` (4 bytes), an HMAC-SHA256 tag (32 bytes) over ``MAGIC`` and the payload, then the
+payload: compact JSON ``{"r": replica, "s": seq, "t": sent_at_s, "b": [backend names], "q": [requests],
+"w": [six rows of floats], "o": [[backend, 12 observation fields], ...]}``. The key is shared by every
+replica (``HETROUTE_PEER_KEY``): a datagram without the right tag changes nothing, since summaries
+steer the routing. :func:`decode` checks every field (types, lengths, finite non-negative numbers) and
+raises :class:`PeerWireError` with a short reason; nothing in a rejected datagram is used.
+
+:func:`encode` keeps a datagram under :data:`MAX_DATAGRAM_BYTES` by leaving out the oldest observations
+(a summary carries at most ``max_observations``; the state part is always whole).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+from typing import Any
+
+from hetroute.learning.observation import Observation
+from hetroute.routing.peers import ROWS, PeerSummary
+
+MAGIC = b"HRP1"
+TAG_BYTES = 32
+MAX_DATAGRAM_BYTES = 60_000
+"""Below UDP's 65,507-byte payload limit over IPv4."""
+MAX_NAME_CHARS = 256
+_OBS_FIELDS = 12  # an observation's fields after the backend name (backend_index is not sent)
+
+
+class PeerWireError(ValueError):
+    """A datagram that is not a valid, authenticated summary; ``reason`` is one word for the metric."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[type[PeerWireError], tuple[str, str]]:
+        return (type(self), (self.reason, self.detail))
+
+
+def signature(key: bytes, body: bytes) -> bytes:
+    """The HMAC-SHA256 tag of ``MAGIC`` + ``body`` under ``key``."""
+    return hmac.new(key, MAGIC + body, hashlib.sha256).digest()
+
+
+def _obs_row(name: str, o: Observation) -> list[Any]:
+    return [
+        name,
+        o.finished_at_s,
+        o.input_tokens,
+        o.output_tokens,
+        o.ttft_s,
+        o.e2e_s,
+        o.pending_tokens_ahead,
+        o.in_flight_at_first,
+        o.context_at_first,
+        o.in_flight_at_end,
+        o.context_at_end,
+        o.engine_running,
+        o.cached_tokens,
+    ]
+
+
+def encode(summary: PeerSummary, key: bytes, max_observations: int = 200) -> bytes:
+    """``summary`` as one datagram signed with ``key``; the newest ``max_observations`` observations at
+    most, fewer if the datagram would exceed :data:`MAX_DATAGRAM_BYTES`."""
+    observations = summary.observations[-max_observations:] if max_observations > 0 else ()
+    state = {
+        "r": summary.replica,
+        "s": summary.seq,
+        "t": summary.sent_at_s,
+        "b": list(summary.backends),
+        "q": list(summary.requests),
+        "w": [list(row) for row in summary.rows],
+    }
+    rows = [_obs_row(name, o) for name, o in observations]
+    while True:
+        body = json.dumps({**state, "o": rows}, separators=(",", ":"), allow_nan=False).encode()
+        if len(body) + len(MAGIC) + TAG_BYTES <= MAX_DATAGRAM_BYTES or not rows:
+            break
+        rows = rows[len(rows) // 2 + 1 :]  # keep the newer half
+    return MAGIC + signature(key, body) + body
+
+
+def decode(data: bytes, key: bytes) -> PeerSummary:
+    """The summary in ``data``; :class:`PeerWireError` unless it is well-formed and signed with ``key``."""
+    if len(data) < len(MAGIC) + TAG_BYTES or not data.startswith(MAGIC):
+        raise PeerWireError("malformed", "not a hetroute peer datagram")
+    tag, body = data[len(MAGIC) : len(MAGIC) + TAG_BYTES], data[len(MAGIC) + TAG_BYTES :]
+    if not hmac.compare_digest(tag, signature(key, body)):
+        raise PeerWireError("unauthenticated", "bad tag (another key, or altered)")
+    try:
+        raw = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PeerWireError("malformed", f"not JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise PeerWireError("malformed", "not an object")
+    replica, seq, sent = raw.get("r"), raw.get("s"), raw.get("t")
+    if not isinstance(replica, str) or not 0 < len(replica) <= MAX_NAME_CHARS:
+        raise PeerWireError("malformed", "r: a replica id of 1-256 characters")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise PeerWireError("malformed", "s: an integer >= 0")
+    sent_at = _number(sent, "t", signed=True)
+    names = raw.get("b")
+    if not isinstance(names, list) or not all(_is_name(x) for x in names):
+        raise PeerWireError("malformed", "b: a list of backend names")
+    n = len(names)
+    requests = _numbers(raw.get("q"), n, "q")
+    table = raw.get("w")
+    if not isinstance(table, list) or len(table) != ROWS:
+        raise PeerWireError("malformed", f"w: {ROWS} rows")
+    rows = tuple(_numbers(row, n, f"w[{r}]", signed=True) for r, row in enumerate(table))  # float sums
+    observations = _observations(raw.get("o", []), set(names))
+    return PeerSummary(replica, seq, sent_at, tuple(names), requests, rows, observations)
+
+
+def _is_name(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_NAME_CHARS
+
+
+def _number(value: Any, path: str, *, signed: bool = False, optional: bool = False) -> Any:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PeerWireError("malformed", f"{path}: a number")
+    x = float(value)
+    if not math.isfinite(x) or (x < 0 and not signed):
+        raise PeerWireError("malformed", f"{path}: a finite number{'' if signed else ' >= 0'}")
+    return x
+
+
+def _numbers(value: Any, n: int, path: str, *, signed: bool = False) -> tuple[float, ...]:
+    if not isinstance(value, list) or len(value) != n:
+        raise PeerWireError("malformed", f"{path}: {n} numbers")
+    return tuple(_number(v, f"{path}[{k}]", signed=signed) for k, v in enumerate(value))
+
+
+def _observations(value: Any, names: set[str]) -> tuple[tuple[str, Observation], ...]:
+    if not isinstance(value, list):
+        raise PeerWireError("malformed", "o: a list")
+    out = []
+    for k, row in enumerate(value):
+        path = f"o[{k}]"
+        if not isinstance(row, list) or len(row) != _OBS_FIELDS + 1 or row[0] not in names:
+            raise PeerWireError("malformed", f"{path}: a backend of b and {_OBS_FIELDS} fields")
+        f = [
+            _number(v, f"{path}[{j + 1}]", signed=j == 0, optional=j in (3, 10))
+            for j, v in enumerate(row[1:])
+        ]
+        if not f[1].is_integer() or not f[2].is_integer():
+            raise PeerWireError("malformed", f"{path}: whole token counts")
+        obs = Observation(
+            backend_index=-1,
+            finished_at_s=f[0],
+            input_tokens=int(f[1]),
+            output_tokens=int(f[2]),
+            ttft_s=f[3],
+            e2e_s=f[4],
+            pending_tokens_ahead=f[5],
+            in_flight_at_first=f[6],
+            context_at_first=f[7],
+            in_flight_at_end=f[8],
+            context_at_end=f[9],
+            engine_running=f[10],
+            cached_tokens=f[11],
+        )
+        out.append((str(row[0]), obs))
+    return tuple(out)
