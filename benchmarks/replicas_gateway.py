@@ -4,7 +4,8 @@
 Usage: ``python benchmarks/replicas_gateway.py [--requests 400] [--rates 24,inf] [--replicas 1,2,4]
 [--modes off,scaled_excess] [--speedup 2] [--seed 1] [--out benchmarks/results]``.
 Writes ``replicas_gateway.json`` and ``replicas_gateway.md`` (``replicas_gateway_peer_hint.*`` with
-``--peer-hint``, ``replicas_gateway_peers.*`` with ``--peers``).
+``--peer-hint``, ``replicas_gateway_peers.*`` with ``--peers``, ``replicas_gateway_peers_hint.*`` with
+both).
 
 The fleet, workload and client are ``policies_gateway.py``'s (paper-a: Llama-3-8B on V100 TP4 and
 TP1, a seeded ShareGPT-like workload replayed open-loop at ``--speedup``); every gateway runs the
@@ -210,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = {"benchmark": "replicas_gateway", "args": vars(args) | {"out": str(args.out)}, "results": rows}
     stem = "replicas_gateway_peer_hint" if args.peer_hint else "replicas_gateway"
     if args.peers:
-        stem = "replicas_gateway_peers"
+        stem = "replicas_gateway_peers_hint" if args.peer_hint else "replicas_gateway_peers"
     (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     (args.out / f"{stem}.md").write_text(text)
     return 0

@@ -106,7 +106,11 @@ class PeerChannel(asyncio.DatagramProtocol):
             if clock.now() - resolved_at >= self.cfg.resolve_interval_s:
                 resolved_at = clock.now()
                 await self.resolve()
-            self.send()
+            try:
+                self.send()
+            except Exception:  # never let one bad summary stop the exchange
+                self._count("send_failed")
+                log.exception("peer channel: a summary could not be sent")
             await sleep(self.cfg.interval_s)
 
     async def resolve(self) -> None:

@@ -76,8 +76,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help=(
             "run N gateway processes that share the listening port through SO_REUSEPORT (the kernel "
             "spreads new connections across them; Linux only; overrides server.workers, default 1). "
-            "Each keeps its own ledger and learns from its own traffic only; they see each other's "
-            "load through the engines' scraped metrics (scrape.foreign_load). /admin, /metrics and "
+            "Each keeps its own ledger; they see each other's load through the engines' scraped "
+            "metrics (scrape.foreign_load) and each learns from its own traffic, or, with peers "
+            "configured, they exchange summaries of both (worker k listens on peers.listen_port + k). "
+            "/admin, /metrics and "
             "/health answer for the one worker a connection reaches. A worker that dies is started "
             "again, at most server.worker_restarts (default 5) times in 60 s"
         ),

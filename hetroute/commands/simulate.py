@@ -10,6 +10,7 @@ Policy syntax: :mod:`hetroute.commands.policy_specs`.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -123,6 +124,15 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
         help="how each replica counts the requests the engines hold that it did not send "
         f"(scrape.foreign_load; default {DEFAULT_FOREIGN_MODE})",
     )
+    p.add_argument(
+        "--peer-interval",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="with --replicas > 1: the replicas exchange summaries of their requests in flight and their "
+        "completions every S seconds of modelled time, as with the gateway's peers section "
+        "(docs/replicas.md; 0, the default: no exchange)",
+    )
 
 
 def _with_theta(
@@ -207,6 +217,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError("--requests", f"must be >= 1, got {args.requests}")
     if args.replicas < 1:
         raise ConfigError("--replicas", f"must be >= 1, got {args.replicas}")
+    if not 0 <= args.peer_interval < math.inf:
+        raise ConfigError("--peer-interval", f"must be a finite number >= 0, got {args.peer_interval}")
     cluster, fleet = _cluster_and_fleet(args)
     rates = _rates(args)
     specs = parse_policy_list(args.policies) + [parse_policy_spec(s) for s in args.policy]
@@ -302,6 +314,7 @@ def _run_matrix(
                 admission=admission,
                 replicas=args.replicas,
                 foreign=args.foreign_load,
+                peer_interval_s=args.peer_interval,
             )
             runs.append(MatrixRun(rate_label(rate), resolve_policy_name(spec.name), spec.params, result))
     return runs, summary
@@ -335,7 +348,9 @@ def _report(
     print(f"cluster {cluster.name}: {', '.join(f'{b.name} ({b.gpu} TP{b.tp})' for b in fleet.backends)}")
     print(f"workload {args.workload}: {args.requests} requests, seed {args.seed}; predictor {pred.label}")
     if args.replicas > 1:
-        print(f"{args.replicas} router replicas taking arrivals in turn; foreign load {args.foreign_load}")
+        exchange = f"; summaries every {args.peer_interval:g} s" if args.peer_interval > 0 else ""
+        mode = args.foreign_load
+        print(f"{args.replicas} router replicas taking arrivals in turn; foreign load {mode}{exchange}")
     print(format_table(runs))
     print(f"{len(runs)} runs in {elapsed_s:.1f} s")
     if args.json is not None:

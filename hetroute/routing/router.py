@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
@@ -44,6 +45,10 @@ from hetroute.types import (
 
 _INPUT, _GENERATED = 0, 2
 """Rows of ``Ledger.snapshot_arrays``' float array: input tokens and generated tokens in flight."""
+
+OUTBOX_MAX = 4096
+"""Completions held for the next peer summary at most (the oldest are dropped): bounded even if no
+summary is sent for a while."""
 
 MIN_TOKEN_GAP_S = 1e-4
 """A stream whose tokens after the first arrived faster than this per token was delivered in one burst
@@ -108,7 +113,7 @@ class Router:
         routed to, not listed (live backend changes, :mod:`hetroute.backends.membership`)."""
         self.foreign = ForeignLoad(len(self.backends), foreign, peers=max(replicas - 1, 0))
         self.peers = peers
-        self._outbox: list[tuple[str, Observation]] = []
+        self._outbox: deque[tuple[str, Observation]] = deque(maxlen=OUTBOX_MAX)
         """Observations of this router's completions since its last summary (with ``peers`` only)."""
         self._peer_seq = 0
         self._decide_started = 0.0  # timer reading at the start of the last decide()
@@ -282,7 +287,8 @@ class Router:
         self._peer_seq += 1
         requests, floats = self.ledger.snapshot_arrays()
         live = [i for i in self._range if i not in self.retired]
-        observations, self._outbox = tuple(self._outbox), []
+        observations = tuple(self._outbox)
+        self._outbox.clear()
         return PeerSummary(
             replica=peers.replica,
             seq=self._peer_seq,

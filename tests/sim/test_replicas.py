@@ -97,3 +97,13 @@ def test_simulate_command_runs_replicas(tmp_path: Path, capsys: pytest.CaptureFi
     bad = parser.parse_args([*argv, "--replicas", "0"])
     assert bad.func(bad) != 0
     assert "--replicas: must be >= 1, got 0" in capsys.readouterr().err
+    exchanging = parser.parse_args([*argv, "--replicas", "2", "--peer-interval", "0.02", "--json", str(out)])
+    assert exchanging.func(exchanging) == 0
+    assert (
+        "2 router replicas taking arrivals in turn; foreign load scaled_excess; summaries every 0.02 s"
+        in (capsys.readouterr().out)
+    )
+    assert json.loads(out.read_text())["runs"][0]["completed"] == 300
+    bad = parser.parse_args([*argv, "--replicas", "2", "--peer-interval", "-1"])
+    assert bad.func(bad) != 0
+    assert "--peer-interval: must be a finite number >= 0" in capsys.readouterr().err

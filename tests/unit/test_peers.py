@@ -16,7 +16,7 @@ from hetroute.policies import PolicyContext, build_policy
 from hetroute.policies.backend_model import BackendModels
 from hetroute.routing.ledger import Ledger
 from hetroute.routing.peers import PeerSummary, PeerView
-from hetroute.routing.router import Router
+from hetroute.routing.router import OUTBOX_MAX, Router
 from hetroute.types import EngineMetrics, RequestFeatures
 from tests.unit.snapshots import spec
 
@@ -195,3 +195,17 @@ def test_publish_without_a_peer_view_is_refused() -> None:
     with pytest.raises(RuntimeError, match="PeerView"):
         alone.receive(summary("p", 1))
     assert np.array_equal(alone.snapshot().requests_in_flight, [0, 0])
+
+
+def test_completions_wait_for_the_next_summary_in_a_bounded_outbox() -> None:
+    clock = ManualClock()
+    alone = router("r1", clock)
+    for k in range(OUTBOX_MAX + 10):
+        ticket = alone.route(feats(k))
+        clock.set(clock.now() + 0.01)
+        alone.complete(ticket, 5)
+        alone.release(ticket)
+    sent = alone.publish()
+    assert len(sent.observations) == OUTBOX_MAX  # the oldest ten were dropped
+    assert sent.observations[-1][1].finished_at_s == pytest.approx(clock.now())
+    assert alone.publish().observations == ()
