@@ -12,7 +12,7 @@ default policy, 8 × n requests in flight), with the router wired as the gateway
 - one summary: ``Router.publish`` + :func:`~hetroute.routing.peer_wire.encode` (the sender, every
   ``peers.interval_s``), its size, and :func:`~hetroute.routing.peer_wire.decode` + ``Router.receive``
   (each receiver), with 20 observations in it (a busy interval's completions; ``receive`` feeds them
-  to the learner).
+  to the learner), and a receiver's cost for a summary without completions.
 
 p50 (and p99 for the decision) in microseconds, one core, ``time.perf_counter_ns``.
 """
@@ -112,6 +112,12 @@ def measure(n: int, decisions: int, peers: int) -> dict[str, float]:
         send_us.append((t1 - t0) / 1e3)
         recv_us.append((t2 - t1) / 1e3)
         sizes.append(len(data))
+    empty_us = []
+    for _ in range(200):  # a summary without completions (a quiet interval)
+        data = encode(sender.publish(), KEY)
+        t0 = time.perf_counter_ns()
+        me.receive(decode(data, KEY))
+        empty_us.append((time.perf_counter_ns() - t0) / 1e3)
     for t in held:
         alone.release(t)
     for t in mine:
@@ -126,6 +132,7 @@ def measure(n: int, decisions: int, peers: int) -> dict[str, float]:
         "with_peers_p99_us": float(np.percentile(with_peers, 99)),
         "send_p50_us": float(np.median(send_us)),
         "receive_p50_us": float(np.median(recv_us)),
+        "receive_empty_p50_us": float(np.median(empty_us)),
         "datagram_bytes": float(np.median(sizes)),
     }
 
@@ -150,14 +157,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"summaries or none. One summary: publish + encode (sender), decode + receive (each receiver), "
         f"{OBSERVATIONS} completions in it.",
         "",
-        "| backends | decision p50 / p99 | with peers p50 / p99 | send p50 | receive p50 | datagram bytes |",
-        "|---|---|---|---|---|---|",
+        "| backends | decision p50 / p99 | with peers p50 / p99 | send p50 | receive p50 "
+        "| receive p50, no completions | datagram bytes |",
+        "|---|---|---|---|---|---|---|",
     ]
     for n, r in rows.items():
         lines.append(
             f"| {n} | {r['route_release_p50_us']:.1f} / {r['route_release_p99_us']:.1f} | "
             f"{r['with_peers_p50_us']:.1f} / {r['with_peers_p99_us']:.1f} | {r['send_p50_us']:.0f} | "
-            f"{r['receive_p50_us']:.0f} | {r['datagram_bytes']:.0f} |"
+            f"{r['receive_p50_us']:.0f} | {r['receive_empty_p50_us']:.0f} | {r['datagram_bytes']:.0f} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

@@ -57,8 +57,10 @@ class PeerChannel(asyncio.DatagramProtocol):
         self._found: dict[str, tuple[str, ...]] = {}  # each configured host's addresses, last resolved
         self.results: Counter[str] = Counter()
         """Datagrams received, by outcome: ``accepted``, ``unauthenticated``, ``malformed``; and
-        ``send_failed`` for datagrams this replica could not send."""
+        ``send_failed`` for datagrams this replica could not send, ``too_large`` for summaries too
+        large for one datagram."""
         self._transport: asyncio.DatagramTransport | None = None
+        self._warned = False
         self._family = socket.AF_INET6 if ":" in cfg.listen_host else socket.AF_INET
 
     # ------------------------------------------------------------ asyncio.DatagramProtocol
@@ -139,7 +141,14 @@ class PeerChannel(asyncio.DatagramProtocol):
         transport = self._transport
         if transport is None:
             return
-        data = encode(self.router.publish(), self.key, self.cfg.max_observations)
+        try:
+            data = encode(self.router.publish(), self.key, self.cfg.max_observations)
+        except PeerWireError as exc:  # more backends than one datagram holds
+            self._count(exc.reason)
+            if not self._warned:
+                self._warned = True
+                log.warning("peers: no summary sent: %s (one datagram holds about 800 backends)", exc)
+            return
         for target in self.targets:
             try:
                 transport.sendto(data, target)

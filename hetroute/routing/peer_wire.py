@@ -1,8 +1,10 @@
 """A :class:`~hetroute.routing.peers.PeerSummary` as one authenticated UDP datagram, and back.
 
 Layout: ``MAGIC`` (4 bytes), an HMAC-SHA256 tag (32 bytes) over ``MAGIC`` and the payload, then the
-payload: compact JSON ``{"r": replica, "s": seq, "t": sent_at_s, "b": [backend names], "q": [requests],
-"w": [six rows of floats], "o": [[backend, 12 observation fields], ...]}``. The key is shared by every
+payload: the header's length (4 bytes, little-endian), the header as compact JSON ``{"r": replica,
+"s": seq, "t": sent_at_s, "b": [n backend names], "o": [[backend, 12 observation fields], ...]}``, then
+the requests and the six rows as (1 + 6) × n little-endian float64 (binary: parsing thousands of
+floats from JSON cost a millisecond at 512 backends; ``benchmarks/peers_cost.py``). The key is shared by every
 replica (``HETROUTE_PEER_KEY``): a datagram without the right tag changes nothing, since summaries
 steer the routing. :func:`decode` checks every field (types, lengths, finite non-negative numbers) and
 raises :class:`PeerWireError` with a short reason; nothing in a rejected datagram is used.
@@ -17,10 +19,14 @@ import hashlib
 import hmac
 import json
 import math
+import struct
 from typing import Any
+
+import numpy as np
 
 from hetroute.learning.observation import Observation
 from hetroute.routing.peers import ROWS, PeerSummary
+from hetroute.types import FloatArray
 
 MAGIC = b"HRP1"
 TAG_BYTES = 32
@@ -65,36 +71,48 @@ def _obs_row(name: str, o: Observation) -> list[Any]:
     ]
 
 
+def pack_body(header: dict[str, Any], numbers: FloatArray) -> bytes:
+    """The signed part of a datagram: the header's length (4 bytes, little-endian), the header as
+    compact JSON, then ``numbers`` as little-endian float64."""
+    text = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+    return struct.pack("<I", len(text)) + text + np.ascontiguousarray(numbers, dtype="<f8").tobytes()
+
+
 def encode(summary: PeerSummary, key: bytes, max_observations: int = 200) -> bytes:
     """``summary`` as one datagram signed with ``key``; the newest ``max_observations`` observations at
-    most, fewer if the datagram would exceed :data:`MAX_DATAGRAM_BYTES`."""
+    most, fewer if the datagram would exceed :data:`MAX_DATAGRAM_BYTES`. :class:`PeerWireError`
+    (``too_large``) when even the state alone would (more than about 800 backends)."""
     observations = summary.observations[-max_observations:] if max_observations > 0 else ()
-    state = {
+    header: dict[str, Any] = {
         "r": summary.replica,
         "s": summary.seq,
         "t": summary.sent_at_s,
         "b": list(summary.backends),
-        "q": list(summary.requests),
-        "w": [list(row) for row in summary.rows],
     }
+    numbers = np.vstack([summary.requests[None, :], summary.rows])
     rows = [_obs_row(name, o) for name, o in observations]
     while True:
-        body = json.dumps({**state, "o": rows}, separators=(",", ":"), allow_nan=False).encode()
-        if len(body) + len(MAGIC) + TAG_BYTES <= MAX_DATAGRAM_BYTES or not rows:
+        body = pack_body({**header, "o": rows}, numbers)
+        if len(body) + len(MAGIC) + TAG_BYTES <= MAX_DATAGRAM_BYTES:
             break
+        if not rows:
+            raise PeerWireError("too_large", f"{len(body)} bytes for {len(summary.backends)} backends")
         rows = rows[len(rows) // 2 + 1 :]  # keep the newer half
     return MAGIC + signature(key, body) + body
 
 
 def decode(data: bytes, key: bytes) -> PeerSummary:
     """The summary in ``data``; :class:`PeerWireError` unless it is well-formed and signed with ``key``."""
-    if len(data) < len(MAGIC) + TAG_BYTES or not data.startswith(MAGIC):
+    if len(data) < len(MAGIC) + TAG_BYTES + 4 or not data.startswith(MAGIC):
         raise PeerWireError("malformed", "not a hetroute peer datagram")
     tag, body = data[len(MAGIC) : len(MAGIC) + TAG_BYTES], data[len(MAGIC) + TAG_BYTES :]
     if not hmac.compare_digest(tag, signature(key, body)):
         raise PeerWireError("unauthenticated", "bad tag (another key, or altered)")
+    (size,) = struct.unpack_from("<I", body)
+    if 4 + size > len(body):
+        raise PeerWireError("malformed", "header longer than the datagram")
     try:
-        raw = json.loads(body)
+        raw = json.loads(body[4 : 4 + size])
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PeerWireError("malformed", f"not JSON: {exc}") from exc
     if not isinstance(raw, dict):
@@ -109,13 +127,18 @@ def decode(data: bytes, key: bytes) -> PeerSummary:
     if not isinstance(names, list) or not all(_is_name(x) for x in names):
         raise PeerWireError("malformed", "b: a list of backend names")
     n = len(names)
-    requests = _numbers(raw.get("q"), n, "q")
-    table = raw.get("w")
-    if not isinstance(table, list) or len(table) != ROWS:
-        raise PeerWireError("malformed", f"w: {ROWS} rows")
-    rows = tuple(_numbers(row, n, f"w[{r}]", signed=True) for r, row in enumerate(table))  # float sums
+    packed = body[4 + size :]
+    if len(packed) != (1 + ROWS) * n * 8:
+        raise PeerWireError("malformed", f"numbers: {(1 + ROWS) * n} float64 for {n} backends")
+    numbers = np.frombuffer(packed, dtype="<f8").reshape(1 + ROWS, n).astype(np.float64)
+    bad = ~np.isfinite(numbers)
+    bad[0] |= numbers[0] < 0  # request counts; the rows are float sums, a tiny negative is rounding
+    if bad.any():
+        r, k = (int(x) for x in np.argwhere(bad)[0])
+        where = f"q[{k}]" if r == 0 else f"w[{r - 1}][{k}]"
+        raise PeerWireError("malformed", f"{where}: a finite number{' >= 0' if r == 0 else ''}")
     observations = _observations(raw.get("o", []), set(names))
-    return PeerSummary(replica, seq, sent_at, tuple(names), requests, rows, observations)
+    return PeerSummary(replica, seq, sent_at, tuple(names), numbers[0], numbers[1:], observations)
 
 
 def _is_name(value: Any) -> bool:
@@ -131,12 +154,6 @@ def _number(value: Any, path: str, *, signed: bool = False, optional: bool = Fal
     if not math.isfinite(x) or (x < 0 and not signed):
         raise PeerWireError("malformed", f"{path}: a finite number{'' if signed else ' >= 0'}")
     return x
-
-
-def _numbers(value: Any, n: int, path: str, *, signed: bool = False) -> tuple[float, ...]:
-    if not isinstance(value, list) or len(value) != n:
-        raise PeerWireError("malformed", f"{path}: {n} numbers")
-    return tuple(_number(v, f"{path}[{k}]", signed=signed) for k, v in enumerate(value))
 
 
 def _observations(value: Any, names: set[str]) -> tuple[tuple[str, Observation], ...]:

@@ -34,10 +34,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hetroute.learning.observation import Observation
-from hetroute.types import FloatArray
+from hetroute.types import FloatArray, IntArray
 
 ROWS = 6
 """The ledger's float rows (``Ledger.snapshot_arrays``)."""
+_POSITIONS_CACHED = 64
+"""Distinct backend-name lists whose positions are kept (one per peer in a steady fleet)."""
 DEFAULT_STALE_INTERVALS = 3.0
 """A summary counts for this many publishing intervals after it arrived."""
 
@@ -46,17 +48,27 @@ DEFAULT_STALE_INTERVALS = 3.0
 class PeerSummary:
     """One replica's ledger at ``sent_at_s`` (its own clock) and its completions since its last summary.
 
-    ``requests[k]`` and ``rows[r][k]`` belong to backend ``backends[k]``; ``observations`` pair a backend
-    name with the observation (whose ``backend_index`` is the sender's own and is not used; its
-    ``finished_at_s`` is on the sender's clock)."""
+    ``requests[k]`` and ``rows[r, k]`` belong to backend ``backends[k]`` (float64 arrays of n and
+    ``ROWS`` × n; any sequences given are converted); ``observations`` pair a backend name with the
+    observation (whose ``backend_index`` is the sender's own and is not used; its ``finished_at_s`` is
+    on the sender's clock)."""
 
     replica: str
     seq: int
     sent_at_s: float
     backends: tuple[str, ...]
-    requests: tuple[float, ...]
-    rows: tuple[tuple[float, ...], ...]
+    requests: FloatArray
+    rows: FloatArray
     observations: tuple[tuple[str, Observation], ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.backends)
+        requests = np.asarray(self.requests, dtype=np.float64)
+        rows = np.asarray(self.rows, dtype=np.float64)
+        if requests.shape != (n,) or rows.shape != (ROWS, n):
+            raise ValueError(f"a summary of {n} backends needs {n} requests and {ROWS} rows of {n}")
+        object.__setattr__(self, "requests", requests)
+        object.__setattr__(self, "rows", rows)
 
 
 @dataclass(slots=True)
@@ -79,6 +91,7 @@ class PeerView:
         self.stale_s = stale_s
         self._held: dict[str, _Held] = {}
         self._index: dict[str, int] = {}
+        self._positions_cache: dict[tuple[str, ...], tuple[IntArray, IntArray]] = {}
         self._n = 0
         self._totals: tuple[FloatArray, FloatArray] | None = None
         self._valid_until_s = -math.inf
@@ -92,26 +105,24 @@ class PeerView:
         self._n = len(backend_names)
         self._held.clear()
         self._totals = None
+        self._positions_cache.clear()
 
     def receive(self, summary: PeerSummary, now_s: float) -> list[Observation]:
         """Keep ``summary`` as its replica's latest (unless it is this replica's own or older than the one
-        held); returns its observations with ``backend_index`` set to this replica's index (backends this
-        replica does not have are skipped)."""
+        held); returns its observations with ``backend_index`` set to this replica's index and
+        ``finished_at_s`` moved onto this replica's clock (``now_s`` minus their age at sending; transit
+        time is not known and counts as 0). Backends this replica does not have are skipped."""
         if summary.replica == self.replica:
             return []
         held = self._held.get(summary.replica)
         if held is not None and summary.seq <= held.seq:
             return []
+        mine, theirs = self._positions(summary.backends)
         requests = np.zeros(self._n, dtype=np.float64)
         rows = np.zeros((ROWS, self._n), dtype=np.float64)
+        requests[mine] = summary.requests[theirs]
+        rows[:, mine] = summary.rows[:, theirs]
         index = self._index
-        for k, name in enumerate(summary.backends):
-            i = index.get(name)
-            if i is None:
-                continue
-            requests[i] = summary.requests[k]
-            for r in range(ROWS):
-                rows[r, i] = summary.rows[r][k]
         self._held[summary.replica] = _Held(now_s, summary.seq, requests, rows)
         self._totals = None
         self.received_total += 1
@@ -122,6 +133,21 @@ class PeerView:
             if i is not None:
                 out.append(replace(obs, backend_index=i, finished_at_s=obs.finished_at_s + shift))
         return out
+
+    def _positions(self, backends: tuple[str, ...]) -> tuple[IntArray, IntArray]:
+        """(this replica's indices, the summary's positions) of the backends both have; cached for the
+        last few name lists (a peer sends the same one every time)."""
+        cached = self._positions_cache.get(backends)
+        if cached is not None:
+            return cached
+        index = self._index
+        pairs = [(index[name], k) for k, name in enumerate(backends) if name in index]
+        mine = np.array([i for i, _ in pairs], dtype=np.int64)
+        theirs = np.array([k for _, k in pairs], dtype=np.int64)
+        if len(self._positions_cache) >= _POSITIONS_CACHED:
+            self._positions_cache.clear()
+        self._positions_cache[backends] = (mine, theirs)
+        return mine, theirs
 
     def totals(self, now_s: float) -> tuple[FloatArray, FloatArray] | None:
         """The current peers' requests in flight per backend and their six rows summed (read-only), or

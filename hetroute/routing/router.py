@@ -286,7 +286,7 @@ class Router:
             raise RuntimeError("publish needs a PeerView (replicas exchanging summaries)")
         self._peer_seq += 1
         requests, floats = self.ledger.snapshot_arrays()
-        live = [i for i in self._range if i not in self.retired]
+        live = self.members()
         observations = tuple(self._outbox)
         self._outbox.clear()
         return PeerSummary(
@@ -294,8 +294,8 @@ class Router:
             seq=self._peer_seq,
             sent_at_s=self.clock.now(),
             backends=tuple(self.backends[i].name for i in live),
-            requests=tuple(float(requests[i]) for i in live),
-            rows=tuple(tuple(float(floats[r, i]) for i in live) for r in range(floats.shape[0])),
+            requests=requests[list(live)].astype(np.float64),
+            rows=floats[:, list(live)],
             observations=observations,
         )
 

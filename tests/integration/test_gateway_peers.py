@@ -8,6 +8,7 @@ import socket
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from hetroute.app import PEERS, ROUTER
 from hetroute.routing.peer_wire import encode
@@ -91,7 +92,7 @@ async def test_forged_and_garbled_datagrams_change_nothing(emulate: EmulateFn, g
     (port,) = _udp_ports(1)
     env = {"HETROUTE_PEER_KEY": KEY}
     gw = await gateway([a], env=env, policy={"type": "default"}, peers=_peers(port, port))
-    forged = PeerSummary("intruder", 1, 0.0, ("a",), (500.0,), tuple((1e6,) for _ in range(6)))
+    forged = PeerSummary("intruder", 1, 0.0, ("a",), np.array([500.0]), np.full((6, 1), 1e6))
     loop = asyncio.get_running_loop()
     transport, _ = await loop.create_datagram_endpoint(
         asyncio.DatagramProtocol, remote_addr=("127.0.0.1", port)

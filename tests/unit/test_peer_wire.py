@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from hetroute.config import config_from_dict
@@ -18,6 +19,7 @@ from hetroute.routing.peer_wire import (
     PeerWireError,
     decode,
     encode,
+    pack_body,
     signature,
 )
 from hetroute.routing.peers import PeerSummary
@@ -49,8 +51,8 @@ def summary(observations: int = 2) -> PeerSummary:
         seq=7,
         sent_at_s=123.5,
         backends=("a100", "v100"),
-        requests=(3.0, 1.0),
-        rows=tuple((float(r), float(r) + 0.5) for r in range(6)),
+        requests=np.array([3.0, 1.0]),
+        rows=np.array([(float(r), float(r) + 0.5) for r in range(6)]),
         observations=tuple(("v100", observation(k, None if k % 2 else 0.25)) for k in range(observations)),
     )
 
@@ -59,7 +61,8 @@ def test_a_summary_comes_back_whole() -> None:
     sent = summary()
     back = decode(encode(sent, KEY), KEY)
     assert back.replica == sent.replica and back.seq == sent.seq and back.sent_at_s == sent.sent_at_s
-    assert back.backends == sent.backends and back.requests == sent.requests and back.rows == sent.rows
+    assert back.backends == sent.backends
+    assert np.array_equal(back.requests, sent.requests) and np.array_equal(back.rows, sent.rows)
     assert [name for name, _ in back.observations] == ["v100", "v100"]
     for (_, got), (_, want) in zip(back.observations, sent.observations, strict=True):
         assert got.backend_index == -1  # the receiver sets its own index
@@ -88,37 +91,54 @@ def test_another_key_or_an_altered_byte_is_unauthenticated() -> None:
     assert changed.value.reason == "unauthenticated"
 
 
-def _signed(payload: Any) -> bytes:
-    body = json.dumps(payload).encode()
+def _signed(header: dict[str, Any], numbers: Any = None) -> bytes:
+    n = len(header["b"]) if isinstance(header.get("b"), list) else 0
+    body = pack_body(header, np.zeros((7, n)) if numbers is None else np.asarray(numbers, dtype=float))
     return MAGIC + signature(KEY, body) + body
 
 
-GOOD: dict[str, Any] = {"r": "x", "s": 1, "t": 0.0, "b": ["a"], "q": [1], "w": [[0.0]] * 6, "o": []}
+GOOD: dict[str, Any] = {"r": "x", "s": 1, "t": 0.0, "b": ["a"], "o": []}
 
 
 @pytest.mark.parametrize(
-    ("change", "where"),
+    ("change", "numbers", "where"),
     [
-        ({"r": ""}, "r:"),
-        ({"s": -1}, "s:"),
-        ({"s": True}, "s:"),
-        ({"t": "now"}, "t:"),
-        ({"b": [7]}, "b:"),
-        ({"q": [1, 2]}, "q:"),
-        ({"q": [-1]}, "q[0]"),
-        ({"w": [[0.0]] * 5}, "w:"),
-        ({"w": [[0.0]] * 5 + [["x"]]}, "w[5][0]"),
-        ({"o": [["b", *[1.0] * 12]]}, "o[0]"),
-        ({"o": [["a", *[1.0] * 11]]}, "o[0]"),
-        ({"o": [["a", 1.0, 1.5, *[1.0] * 10]]}, "whole token counts"),
-        ({"o": [["a", 1.0, 1.0, 1.0, 1.0, None, *[1.0] * 7]]}, "o[0][5]"),
+        ({"r": ""}, None, "r:"),
+        ({"s": -1}, None, "s:"),
+        ({"s": True}, None, "s:"),
+        ({"t": "now"}, None, "t:"),
+        ({"b": [7]}, None, "b:"),
+        ({}, np.zeros((7, 2)), "numbers:"),
+        ({}, np.zeros((6, 1)), "numbers:"),
+        ({}, [[-1.0]] + [[0.0]] * 6, "q[0]"),
+        ({}, [[1.0]] + [[0.0]] * 5 + [[math.nan]], "w[5][0]"),
+        ({}, [[1.0], [math.inf]] + [[0.0]] * 5, "w[0][0]"),
+        ({"o": [["b", *[1.0] * 12]]}, None, "o[0]"),
+        ({"o": [["a", *[1.0] * 11]]}, None, "o[0]"),
+        ({"o": [["a", 1.0, 1.5, *[1.0] * 10]]}, None, "whole token counts"),
+        ({"o": [["a", 1.0, 1.0, 1.0, 1.0, None, *[1.0] * 7]]}, None, "o[0][5]"),
     ],
 )
-def test_a_malformed_summary_is_refused_naming_the_field(change: dict[str, Any], where: str) -> None:
+def test_a_malformed_summary_is_refused_naming_the_field(
+    change: dict[str, Any], numbers: Any, where: str
+) -> None:
     decode(_signed(GOOD), KEY)  # the base is valid
     with pytest.raises(PeerWireError, match="malformed") as caught:
-        decode(_signed({**GOOD, **change}), KEY)
+        decode(_signed({**GOOD, **change}, numbers), KEY)
     assert where in str(caught.value)
+
+
+def test_a_negative_rounding_remainder_in_the_rows_is_accepted() -> None:
+    back = decode(_signed(GOOD, [[0.0], [-1e-17]] + [[0.0]] * 5), KEY)
+    assert back.rows[0, 0] == -1e-17
+
+
+def test_more_backends_than_a_datagram_holds_is_refused_at_encoding() -> None:
+    n = 2000
+    huge = PeerSummary("x", 1, 0.0, tuple(f"backend-{k}" for k in range(n)), np.zeros(n), np.zeros((6, n)))
+    with pytest.raises(PeerWireError) as caught:
+        encode(huge, KEY)
+    assert caught.value.reason == "too_large"
 
 
 def test_what_is_not_a_peer_datagram_is_malformed() -> None:
@@ -126,8 +146,11 @@ def test_what_is_not_a_peer_datagram_is_malformed() -> None:
         with pytest.raises(PeerWireError) as caught:
             decode(data, KEY)
         assert caught.value.reason in ("malformed", "unauthenticated")
-    body = b"[1, 2"
+    body = b"\x05\x00\x00\x00[1, 2"
     with pytest.raises(PeerWireError, match="not JSON"):
+        decode(MAGIC + signature(KEY, body) + body, KEY)
+    body = b"\xff\x00\x00\x00{}"
+    with pytest.raises(PeerWireError, match="header longer"):
         decode(MAGIC + signature(KEY, body) + body, KEY)
 
 

@@ -48,8 +48,8 @@ def summary(
     observations: tuple[tuple[str, Observation], ...] = (),
 ) -> PeerSummary:
     n = len(backends)
-    rows = tuple(tuple(float(10 * (r + 1) * (k + 1)) for k in range(n)) for r in range(6))
-    return PeerSummary(replica, seq, sent_at_s, backends, requests, rows, observations)
+    rows = np.array([[float(10 * (r + 1) * (k + 1)) for k in range(n)] for r in range(6)])
+    return PeerSummary(replica, seq, sent_at_s, backends, np.array(requests), rows, observations)
 
 
 def test_a_summary_counts_by_backend_name_until_it_is_stale() -> None:
