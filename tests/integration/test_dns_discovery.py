@@ -26,6 +26,7 @@ from hetroute.app import MEMBERSHIP, ROUTER, build_app, start_app
 from hetroute.backends.dns import make_resolver, resolve_addresses
 from hetroute.catalog.specs import load_gpu_catalog, load_model_catalog, lookup_gpu, lookup_model
 from hetroute.config import DnsConfig, config_from_dict
+from hetroute.peer_channel import PeerChannel
 from hetroute.sim.emulator import build_emulator_app, run_emulator
 from hetroute.sim.engine_model import EngineConfig, EngineModel
 from tests.conftest import MODEL, eventually
@@ -180,3 +181,40 @@ async def test_dns_discovery_follows_the_answers_and_survives_an_outage(
                 assert r.status in (404, 503)
                 assert "error" in await r.json()
         assert gw_app[ROUTER].ledger.is_zero()
+
+
+async def test_peer_addresses_follow_the_answers_on_every_workers_port(
+    dns_server: tuple[DnsServer, int],
+) -> None:
+    """A peers address naming a host (a headless Service of router pods): each of its addresses gets
+    the summaries, on each worker's port; a failed resolution keeps the addresses found before."""
+    server, dns_port = dns_server
+    server.addresses = ["127.0.0.2", "127.0.0.3"]
+    cfg = config_from_dict(
+        {
+            "backends": [{"name": "a", "url": "http://127.0.0.1:9", "engine": "vllm", "models": [MODEL]}],
+            "peers": {
+                "addresses": [f"{NAME.rstrip('.')}:9100", "127.0.0.9:9200"],
+                "listen_host": "127.0.0.1",
+            },
+            "dns": {"nameservers": [f"127.0.0.1:{dns_port}"], "timeout_s": 1.0},
+        },
+        env={"HETROUTE_PEER_KEY": "k"},
+    )
+    app = build_app(cfg, registry=CollectorRegistry())
+    channel = PeerChannel(app[ROUTER], cfg.peers, b"k", make_resolver(cfg.dns), worker=0, workers=2)
+    await channel.resolve()
+    assert channel.targets == (
+        ("127.0.0.2", 9100),
+        ("127.0.0.2", 9101),
+        ("127.0.0.3", 9100),
+        ("127.0.0.3", 9101),
+        ("127.0.0.9", 9200),
+        ("127.0.0.9", 9201),
+    )
+    server.addresses = ["127.0.0.3"]
+    await channel.resolve()
+    assert [t for t in channel.targets if t[1] < 9200] == [("127.0.0.3", 9100), ("127.0.0.3", 9101)]
+    server.silent = True  # a DNS outage: the last addresses stay
+    await channel.resolve()
+    assert [t for t in channel.targets if t[1] < 9200] == [("127.0.0.3", 9100), ("127.0.0.3", 9101)]

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -55,29 +57,34 @@ async def _collect(stream: asyncio.StreamReader, into: list[str], seen: asyncio.
 
 @asynccontextmanager
 async def _serve_workers(
-    backend_url: str, workers: int = 2, restarts: int | None = None, tmp: Path | None = None
+    backend_url: str,
+    workers: int = 2,
+    restarts: int | None = None,
+    tmp: Path | None = None,
+    peers: dict[str, Any] | None = None,
 ) -> AsyncIterator[Served]:
-    """``--backend`` flags, or with ``restarts`` a config file in ``tmp`` (``server.worker_restarts``)."""
+    """``--backend`` flags, or with ``restarts`` or ``peers`` a config file in ``tmp``
+    (``server.worker_restarts``, the ``peers`` section; the peer key is set in the environment)."""
     port = _free_port()
     source = ["--backend", backend_url, "--policy", "round_robin"]
-    if restarts is not None:
+    env = dict(os.environ)
+    if restarts is not None or peers is not None:
         assert tmp is not None
         config = tmp / "router.yaml"
-        config.write_text(
-            json.dumps(
-                {
-                    "backends": [{"name": "emu", "url": backend_url, "engine": "vllm", "models": [MODEL]}],
-                    "policy": {"type": "round_robin"},
-                    "server": {"worker_restarts": restarts},
-                }
-            ),
-            encoding="utf-8",
-        )
+        data: dict[str, Any] = {
+            "backends": [{"name": "emu", "url": backend_url, "engine": "vllm", "models": [MODEL]}],
+            "policy": {"type": "round_robin"},
+            "server": {"worker_restarts": 5 if restarts is None else restarts},
+        }
+        if peers is not None:
+            data["peers"] = peers
+            env["HETROUTE_PEER_KEY"] = "workers-test-key"
+        config.write_text(json.dumps(data), encoding="utf-8")
         source = ["--config", str(config)]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "hetroute", "serve", *source,
         "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
     )  # fmt: skip
     assert proc.stderr is not None
     lines: list[str] = []
@@ -145,6 +152,52 @@ async def test_two_workers_share_the_port_and_all_exit_0_on_sigterm(emulate: Emu
         assert len(records) == 40 and all(r["status"] == 200 for r in records)
         prefixes = {r["request_id"].split("-")[0] for r in records}
         assert len(prefixes) == 2  # seed + k: each worker has its own request-id prefix
+
+
+def _two_udp_ports() -> int:
+    """A UDP port P on 127.0.0.1 with P + 1 free too (worker k listens on P + k)."""
+    for _ in range(50):
+        with (
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as a,
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as b,
+        ):
+            a.bind(("127.0.0.1", 0))
+            port = int(a.getsockname()[1])
+            if port >= 65535:
+                continue
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two adjacent free UDP ports")
+
+
+async def _peer_replicas_seen(url: str) -> tuple[str, float]:
+    conn = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=conn) as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+        worker = r.headers["x-hetroute-worker"]
+    (line,) = [x for x in text.splitlines() if x.startswith("hetroute_peer_replicas ")]
+    return worker, float(line.split()[1])
+
+
+async def test_each_worker_is_a_peer_on_its_own_port(emulate: EmulateFn, tmp_path: Path) -> None:
+    emu = await emulate("vllm")
+    port = _two_udp_ports()
+    peers = {"addresses": [f"127.0.0.1:{port}"], "listen_host": "127.0.0.1", "listen_port": port}
+    async with _serve_workers(emu.url, tmp=tmp_path, peers=peers) as served:
+        heard: dict[str, float] = {}
+        deadline = time.monotonic() + START_S
+        while len(heard) < 2 or min(heard.values()) < 1.0:
+            assert time.monotonic() < deadline, heard
+            worker, replicas = await _peer_replicas_seen(served.url)
+            heard[worker] = replicas
+            await asyncio.sleep(0.05)
+        # Worker 0 listens on the port, worker 1 on the next; each hears exactly the other one.
+        assert heard == {"0": 1.0, "1": 1.0}
+        served.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(served.proc.wait(), EXIT_S) == 0, "".join(served.stderr)
 
 
 async def test_without_restarts_a_killed_worker_stops_the_others_and_the_parent_exits_non_zero(
