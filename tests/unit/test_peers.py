@@ -209,3 +209,16 @@ def test_completions_wait_for_the_next_summary_in_a_bounded_outbox() -> None:
     assert len(sent.observations) == OUTBOX_MAX  # the oldest ten were dropped
     assert sent.observations[-1][1].finished_at_s == pytest.approx(clock.now())
     assert alone.publish().observations == ()
+
+
+def test_a_backend_added_live_is_matched_by_name_in_the_next_summaries() -> None:
+    clock = ManualClock()
+    mine, other = router("r1", clock), router("r2", clock)
+    held = [other.route(feats(k)) for k in range(2)]  # a, b
+    mine.receive(other.publish())
+    mine.set_slot(2, spec("c", models=("m",)))  # this replica gains c; the peer does not have it
+    assert mine.snapshot().requests_in_flight.tolist() == [0, 0, 0]  # held summaries were dropped
+    mine.receive(other.publish())
+    assert mine.snapshot().requests_in_flight.tolist() == [1, 1, 0]
+    for t in held:
+        other.release(t)
