@@ -11,9 +11,9 @@ The fleet, workload and client are ``policies_gateway.py``'s (paper-a: Llama-3-8
 TP1, a seeded ShareGPT-like workload replayed open-loop at ``--speedup``); every gateway runs the
 ``default`` policy with the given ``scrape.foreign_load`` mode (``server.replicas`` left at 1, the
 default a user gets; ``--peer-hint`` sets it to R) and scrapes every ``1 / speedup`` s.
-With ``--peers`` the gateways also exchange summaries over UDP on 127.0.0.1 (``peers``, every
-``0.1 / speedup`` s, a shared ``HETROUTE_PEER_KEY``). Request k goes to gateway k mod R.
-Reported: throughput and p99 TTFT (model seconds), and their ratios
+With ``--peers`` the gateways also exchange summaries over UDP on 127.0.0.1 (``peers``,
+``interval_s`` = ``--peer-interval`` (default 0.005) / speedup, a shared ``HETROUTE_PEER_KEY``).
+Request k goes to gateway k mod R. Reported: throughput and p99 TTFT (model seconds), and their ratios
 to one gateway at the same rate (issue 14's bars: ≥ 0.97 and ≤ 1.2).
 
 Caveat: on a 2-core machine the gateways, both emulators and this client share the CPU, and more
@@ -121,8 +121,8 @@ async def run_one(replicas: int, mode: str, rate: float, args: argparse.Namespac
                     "addresses": [f"127.0.0.1:{p}" for p in udp],
                     "listen_host": "127.0.0.1",
                     "listen_port": udp[r],
-                    "interval_s": 0.1 / args.speedup,
-                    "stale_after_s": 0.5 / args.speedup,
+                    "interval_s": args.peer_interval / args.speedup,
+                    "stale_after_s": 0.25 / args.speedup,
                 }
             path = tmp / f"router{r}.yaml"
             path.write_text(yaml.safe_dump(config), encoding="utf-8")
@@ -183,6 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--replicas", default="1,2,4")
     ap.add_argument("--peer-hint", action="store_true", help="set server.replicas = R in every gateway")
     ap.add_argument("--peers", action="store_true", help="the gateways exchange summaries (peers)")
+    ap.add_argument(
+        "--peer-interval", type=float, default=0.005, help="with --peers: peers.interval_s in model seconds"
+    )
     ap.add_argument("--modes", default="off,scaled_excess")
     ap.add_argument("--speedup", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=1)

@@ -26,6 +26,7 @@ from hetroute.backends.dns import DnsError, resolve_addresses
 from hetroute.clock import Sleeper
 from hetroute.peer_settings import PeersConfig
 from hetroute.routing.peer_wire import PeerWireError, decode, encode
+from hetroute.routing.peers import peer_heartbeat_s
 from hetroute.routing.router import Router
 
 log = logging.getLogger("hetroute.peers")
@@ -61,6 +62,7 @@ class PeerChannel(asyncio.DatagramProtocol):
         large for one datagram."""
         self._transport: asyncio.DatagramTransport | None = None
         self._warned = False
+        self._heartbeat_s = peer_heartbeat_s(cfg.stale_after_s)
         self._family = socket.AF_INET6 if ":" in cfg.listen_host else socket.AF_INET
 
     # ------------------------------------------------------------ asyncio.DatagramProtocol
@@ -100,8 +102,9 @@ class PeerChannel(asyncio.DatagramProtocol):
             self._transport = None
 
     async def run(self, sleep: Sleeper = asyncio.sleep) -> None:
-        """Resolve the addresses, then send a summary every ``interval_s`` (resolving again every
-        ``resolve_interval_s``); until cancelled."""
+        """Resolve the addresses, then every ``interval_s`` send a summary if one is due (a dispatch or
+        release since the last one, or a third of ``stale_after_s`` since it went out), resolving again
+        every ``resolve_interval_s``; until cancelled."""
         clock = self.router.clock
         resolved_at = -float("inf")
         while True:
@@ -109,7 +112,8 @@ class PeerChannel(asyncio.DatagramProtocol):
                 resolved_at = clock.now()
                 await self.resolve()
             try:
-                self.send()
+                if self.router.summary_due(self._heartbeat_s):
+                    self.send()
             except Exception:  # never let one bad summary stop the exchange
                 self._count("send_failed")
                 log.exception("peer channel: a summary could not be sent")

@@ -38,6 +38,14 @@ from hetroute.types import FloatArray, IntArray
 
 ROWS = 6
 """The ledger's float rows (``Ledger.snapshot_arrays``)."""
+
+
+def peer_heartbeat_s(stale_after_s: float) -> float:
+    """How long a replica with nothing new waits before sending its summary anyway: a third of the time
+    its peers keep one, so that two summaries may be lost before it stops counting."""
+    return stale_after_s / 3.0
+
+
 _POSITIONS_CACHED = 64
 """Distinct backend-name lists whose positions are kept (one per peer in a steady fleet)."""
 DEFAULT_STALE_INTERVALS = 3.0

@@ -116,6 +116,9 @@ class Router:
         self._outbox: deque[tuple[str, Observation]] = deque(maxlen=OUTBOX_MAX)
         """Observations of this router's completions since its last summary (with ``peers`` only)."""
         self._peer_seq = 0
+        self._changes = 0  # dispatches + releases, for summary_due
+        self._changes_published = 0
+        self._published_at_s = -math.inf
         self._decide_started = 0.0  # timer reading at the start of the last decide()
         self._backends_changed()
 
@@ -285,6 +288,8 @@ class Router:
         if peers is None:
             raise RuntimeError("publish needs a PeerView (replicas exchanging summaries)")
         self._peer_seq += 1
+        self._changes_published = self._changes
+        self._published_at_s = self.clock.now()
         requests, floats = self.ledger.snapshot_arrays()
         live = self.members()
         observations = tuple(self._outbox)
@@ -399,6 +404,7 @@ class Router:
         self.foreign.dispatched(
             decision.index, features.input_tokens, features.predicted_output_tokens, decision.workload_cost
         )
+        self._changes += 1
         if self._on_decision is not None:
             self._on_decision(self.policy.name, ticket.backend_name, self._timer() - self._decide_started)
         return ticket
@@ -471,7 +477,17 @@ class Router:
 
     def release(self, ticket: Ticket) -> bool:
         """Release a ticket's accounting; effective exactly once."""
-        return self.ledger.release(ticket, self.clock.now())
+        released = self.ledger.release(ticket, self.clock.now())
+        if released:
+            self._changes += 1
+        return released
+
+    def summary_due(self, heartbeat_s: float) -> bool:
+        """Whether a peer summary should go out now: this router dispatched or released a request since
+        its last summary, or ``heartbeat_s`` passed (the peers keep it current)."""
+        return self._changes != self._changes_published or (
+            self.clock.now() - self._published_at_s >= heartbeat_s
+        )
 
 
 def _plus(

@@ -148,8 +148,10 @@ class Run:
         self.open_requests = 0
         self.held: deque[int] = deque()
         self.peer_interval_s = 0.0
-        """With several routers that hold a ``PeerView``: every this many seconds each publishes its
-        summary and the others receive it at once (0: no exchange)."""
+        """With several routers that hold a ``PeerView``: every this many seconds each whose summary is
+        due publishes it and the others receive it at once (0: no exchange)."""
+        self.peer_heartbeat_s = math.inf
+        """A summary goes out after this long even without a dispatch or release."""
 
     def latest_metrics(self, i: int) -> EngineMetrics | None:
         if self.scrape_interval_s > 0:
@@ -317,9 +319,11 @@ class Run:
         return []
 
     def on_peer(self, now_s: float) -> list[tuple[float, int, int]]:
-        """The replicas exchange summaries (``routing/peers.py``), with no transit time."""
+        """Every replica whose summary is due (a dispatch or release since its last one, or the
+        heartbeat) sends it to the others, as ``PeerChannel.run`` does; no transit time."""
         self._flush_generated()
-        summaries = [router.publish() for router in self.routers]
+        heartbeat = self.peer_heartbeat_s
+        summaries = [router.publish() for router in self.routers if router.summary_due(heartbeat)]
         for router in self.routers:
             for summary in summaries:
                 router.receive(summary)  # its own summary is ignored

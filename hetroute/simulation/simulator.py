@@ -32,7 +32,7 @@ from hetroute.prefix.settings import PrefixConfig
 from hetroute.prefix.state import PrefixState
 from hetroute.routing.foreign import DEFAULT_FOREIGN_MODE, ForeignMode
 from hetroute.routing.ledger import Ledger
-from hetroute.routing.peers import DEFAULT_STALE_INTERVALS, PeerView
+from hetroute.routing.peers import DEFAULT_STALE_INTERVALS, PeerView, peer_heartbeat_s
 from hetroute.routing.router import Router
 from hetroute.sim.cluster_file import Fleet, SimClusterSpec, build_fleet
 from hetroute.sim.workload import SimRequest
@@ -184,6 +184,7 @@ def run_simulation(
         others = [replica(r) for r in range(1, replicas)]
         run = Run(fleet, workload, router, pred, clock, scrape_interval_s, learner, slowdowns, others)
         run.peer_interval_s = peer_interval_s
+        run.peer_heartbeat_s = peer_heartbeat_s(peer_interval_s * DEFAULT_STALE_INTERVALS)
     else:
         run = AdmittedRun(
             fleet, workload, router, pred, clock, scrape_interval_s, admission, learner, slowdowns

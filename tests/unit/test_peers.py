@@ -222,3 +222,23 @@ def test_a_backend_added_live_is_matched_by_name_in_the_next_summaries() -> None
     assert mine.snapshot().requests_in_flight.tolist() == [1, 1, 0]
     for t in held:
         other.release(t)
+
+
+def test_a_summary_is_due_after_a_dispatch_or_a_release_or_the_heartbeat() -> None:
+    clock = ManualClock()
+    me = router("r1", clock)
+    assert me.summary_due(heartbeat_s=1.0)  # never sent
+    me.publish()
+    assert not me.summary_due(heartbeat_s=1.0)
+    ticket = me.route(feats(0))
+    assert me.summary_due(heartbeat_s=1.0)  # a dispatch
+    me.publish()
+    clock.set(0.5)
+    assert not me.summary_due(heartbeat_s=1.0)
+    me.release(ticket)
+    assert me.summary_due(heartbeat_s=1.0)  # a release
+    me.publish()
+    me.release(ticket)  # not effective: nothing changed
+    assert not me.summary_due(heartbeat_s=1.0)
+    clock.set(1.5)
+    assert me.summary_due(heartbeat_s=1.0)  # the heartbeat
