@@ -48,12 +48,16 @@ from typing import Literal
 
 import numpy as np
 
+from hetroute.routing.ledger import (
+    FLOAT_ROWS,
+    INPUT_ROW,
+    PENDING_ROW,
+    PREDICTED_ROW,
+    REMAINING_ROW,
+    WORKLOAD_ROW,
+)
 from hetroute.types import EngineMetrics, FloatArray, IntArray
 
-_ROWS = 6
-"""The ledger's float rows (``Ledger.snapshot_arrays``): input, remaining predicted, generated,
-predicted output, workload, prefill pending."""
-_INPUT, _REMAINING, _GENERATED, _PREDICTED, _WORKLOAD, _PENDING = range(_ROWS)
 ForeignMode = Literal["off", "raw", "scaled", "scaled_excess"]
 FOREIGN_MODES: tuple[ForeignMode, ...] = ("off", "raw", "scaled", "scaled_excess")
 DEFAULT_FOREIGN_MODE: ForeignMode = "scaled_excess"
@@ -89,7 +93,7 @@ class ForeignLoad:
         self._own_at_scrape: FloatArray = np.zeros(backends, dtype=np.float64)
         self._waiting_share: FloatArray = np.zeros(backends, dtype=np.float64)
         self._seen: list[EngineMetrics | None] = [None] * backends
-        self._profile: FloatArray = np.zeros((_ROWS, backends), dtype=np.float64)
+        self._profile: FloatArray = np.zeros((FLOAT_ROWS, backends), dtype=np.float64)
         """Rows as the ledger's; a column of zeros until the first dispatch to that backend."""
         self._any = False
         self._live_key: tuple[EngineMetrics | None, ...] | None = None
@@ -102,7 +106,7 @@ class ForeignLoad:
             self._own_at_scrape = np.append(self._own_at_scrape, 0.0)
             self._waiting_share = np.append(self._waiting_share, 0.0)
             self._seen.append(None)
-            self._profile = np.hstack([self._profile, np.zeros((_ROWS, 1), dtype=np.float64)])
+            self._profile = np.hstack([self._profile, np.zeros((FLOAT_ROWS, 1), dtype=np.float64)])
         else:
             self._counts[backend] = self._own_at_scrape[backend] = self._waiting_share[backend] = 0.0
             self._seen[backend] = None
@@ -132,12 +136,12 @@ class ForeignLoad:
     ) -> None:
         """Fold a dispatch into ``backend``'s request profile (used while nothing is in flight there)."""
         p = self._profile
-        rate = DISPATCH_EWMA if p[_INPUT, backend] > 0.0 else 1.0  # the first dispatch sets it
+        rate = DISPATCH_EWMA if p[INPUT_ROW, backend] > 0.0 else 1.0  # the first dispatch sets it
         for row, value in (
-            (_INPUT, input_tokens),
-            (_REMAINING, predicted_output_tokens),
-            (_PREDICTED, predicted_output_tokens),
-            (_WORKLOAD, workload_s),
+            (INPUT_ROW, input_tokens),
+            (REMAINING_ROW, predicted_output_tokens),
+            (PREDICTED_ROW, predicted_output_tokens),
+            (WORKLOAD_ROW, workload_s),
         ):
             old = float(p[row, backend])
             p[row, backend] = old + rate * (value - old)
@@ -177,7 +181,7 @@ class ForeignLoad:
         own = requests.astype(np.float64)
         mean: FloatArray = np.where(own > 0, floats / np.maximum(own, 1.0), self._profile)
         extra = mean * counts
-        extra[_PENDING] = counts * self._waiting_share * mean[_INPUT]
+        extra[PENDING_ROW] = counts * self._waiting_share * mean[INPUT_ROW]
         out_floats: FloatArray = floats + extra
         out_floats.flags.writeable = False
         out_requests: IntArray = requests + np.rint(counts).astype(requests.dtype)

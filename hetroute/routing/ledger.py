@@ -60,6 +60,11 @@ class Ticket:
     ``prefill_pending_tokens`` still counts the whole prompt (docs/prefix.md, "The cost model")."""
 
 
+FLOAT_ROWS = 6
+"""Rows of the ledger's float counters (``Ledger.snapshot_arrays``), in this order:"""
+INPUT_ROW, REMAINING_ROW, GENERATED_ROW, PREDICTED_ROW, WORKLOAD_ROW, PENDING_ROW = range(FLOAT_ROWS)
+
+
 class Ledger:
     """Per-backend in-flight accounting with exactly-once release."""
 
@@ -67,7 +72,7 @@ class Ledger:
         n = len(backend_names)
         self.backend_names: tuple[str, ...] = tuple(backend_names)
         self.requests_in_flight: IntArray = np.zeros(n, dtype=np.int64)
-        self._floats: FloatArray = np.zeros((6, n), dtype=np.float64)
+        self._floats: FloatArray = np.zeros((FLOAT_ROWS, n), dtype=np.float64)
         self.dispatched_total: IntArray = np.zeros(n, dtype=np.int64)
         self.released_total: IntArray = np.zeros(n, dtype=np.int64)
         self.prefill_pending_uncached_tokens: FloatArray = np.zeros(n, dtype=np.float64)
@@ -76,12 +81,12 @@ class Ledger:
 
     def _bind_rows(self) -> None:
         # The float counters are rows of one 2-D array, so a snapshot is one copy (see snapshot_arrays).
-        self.input_tokens_in_flight: FloatArray = self._floats[0]
-        self.remaining_predicted_tokens: FloatArray = self._floats[1]
-        self.generated_tokens_in_flight: FloatArray = self._floats[2]
-        self.predicted_output_tokens_in_flight: FloatArray = self._floats[3]
-        self.workload: FloatArray = self._floats[4]
-        self.prefill_pending_tokens: FloatArray = self._floats[5]
+        self.input_tokens_in_flight: FloatArray = self._floats[INPUT_ROW]
+        self.remaining_predicted_tokens: FloatArray = self._floats[REMAINING_ROW]
+        self.generated_tokens_in_flight: FloatArray = self._floats[GENERATED_ROW]
+        self.predicted_output_tokens_in_flight: FloatArray = self._floats[PREDICTED_ROW]
+        self.workload: FloatArray = self._floats[WORKLOAD_ROW]
+        self.prefill_pending_tokens: FloatArray = self._floats[PENDING_ROW]
 
     def set_slot(self, index: int, name: str) -> None:
         """Give slot ``index`` to backend ``name`` with empty accounting (live backend changes,
@@ -93,7 +98,7 @@ class Ledger:
         n = len(self.backend_names)
         if index == n:
             self.requests_in_flight = np.append(self.requests_in_flight, 0)
-            self._floats = np.hstack([self._floats, np.zeros((6, 1), dtype=np.float64)])
+            self._floats = np.hstack([self._floats, np.zeros((FLOAT_ROWS, 1), dtype=np.float64)])
             self.dispatched_total = np.append(self.dispatched_total, 0)
             self.released_total = np.append(self.released_total, 0)
             self.prefill_pending_uncached_tokens = np.append(self.prefill_pending_uncached_tokens, 0.0)

@@ -20,12 +20,14 @@ import hmac
 import json
 import math
 import struct
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
 
 from hetroute.learning.observation import Observation
-from hetroute.routing.peers import ROWS, PeerSummary
+from hetroute.routing.ledger import FLOAT_ROWS
+from hetroute.routing.peers import PeerSummary
 from hetroute.types import FloatArray
 
 MAGIC = b"HRP1"
@@ -33,7 +35,11 @@ TAG_BYTES = 32
 MAX_DATAGRAM_BYTES = 60_000
 """Below UDP's 65,507-byte payload limit over IPv4."""
 MAX_NAME_CHARS = 256
-_OBS_FIELDS = 12  # an observation's fields after the backend name (backend_index is not sent)
+_OBS_FIELDS = tuple(f.name for f in fields(Observation) if f.name != "backend_index")
+"""An observation's fields on the wire, after the backend name (its index is the sender's own)."""
+_SIGNED = frozenset({"finished_at_s"})  # a clock reading; every other number is >= 0
+_OPTIONAL = frozenset({"ttft_s", "engine_running"})
+_COUNTS = ("input_tokens", "output_tokens")
 
 
 class PeerWireError(ValueError):
@@ -54,21 +60,7 @@ def signature(key: bytes, body: bytes) -> bytes:
 
 
 def _obs_row(name: str, o: Observation) -> list[Any]:
-    return [
-        name,
-        o.finished_at_s,
-        o.input_tokens,
-        o.output_tokens,
-        o.ttft_s,
-        o.e2e_s,
-        o.pending_tokens_ahead,
-        o.in_flight_at_first,
-        o.context_at_first,
-        o.in_flight_at_end,
-        o.context_at_end,
-        o.engine_running,
-        o.cached_tokens,
-    ]
+    return [name, *(getattr(o, f) for f in _OBS_FIELDS)]
 
 
 def pack_body(header: dict[str, Any], numbers: FloatArray) -> bytes:
@@ -128,9 +120,9 @@ def decode(data: bytes, key: bytes) -> PeerSummary:
         raise PeerWireError("malformed", "b: a list of backend names")
     n = len(names)
     packed = body[4 + size :]
-    if len(packed) != (1 + ROWS) * n * 8:
-        raise PeerWireError("malformed", f"numbers: {(1 + ROWS) * n} float64 for {n} backends")
-    numbers = np.frombuffer(packed, dtype="<f8").reshape(1 + ROWS, n).astype(np.float64)
+    if len(packed) != (1 + FLOAT_ROWS) * n * 8:
+        raise PeerWireError("malformed", f"numbers: {(1 + FLOAT_ROWS) * n} float64 for {n} backends")
+    numbers = np.frombuffer(packed, dtype="<f8").reshape(1 + FLOAT_ROWS, n).astype(np.float64)
     bad = ~np.isfinite(numbers)
     bad[0] |= numbers[0] < 0  # request counts; the rows are float sums, a tiny negative is rounding
     if bad.any():
@@ -160,30 +152,17 @@ def _observations(value: Any, names: set[str]) -> tuple[tuple[str, Observation],
     if not isinstance(value, list):
         raise PeerWireError("malformed", "o: a list")
     out = []
+    width = len(_OBS_FIELDS)
     for k, row in enumerate(value):
         path = f"o[{k}]"
-        if not isinstance(row, list) or len(row) != _OBS_FIELDS + 1 or row[0] not in names:
-            raise PeerWireError("malformed", f"{path}: a backend of b and {_OBS_FIELDS} fields")
-        f = [
-            _number(v, f"{path}[{j + 1}]", signed=j == 0, optional=j in (3, 10))
-            for j, v in enumerate(row[1:])
-        ]
-        if not f[1].is_integer() or not f[2].is_integer():
+        if not isinstance(row, list) or len(row) != width + 1 or row[0] not in names:
+            raise PeerWireError("malformed", f"{path}: a backend of b and {width} fields")
+        f = {
+            field: _number(v, f"{path}[{j + 1}]", signed=field in _SIGNED, optional=field in _OPTIONAL)
+            for j, (field, v) in enumerate(zip(_OBS_FIELDS, row[1:], strict=True))
+        }
+        if not all(f[field].is_integer() for field in _COUNTS):
             raise PeerWireError("malformed", f"{path}: whole token counts")
-        obs = Observation(
-            backend_index=-1,
-            finished_at_s=f[0],
-            input_tokens=int(f[1]),
-            output_tokens=int(f[2]),
-            ttft_s=f[3],
-            e2e_s=f[4],
-            pending_tokens_ahead=f[5],
-            in_flight_at_first=f[6],
-            context_at_first=f[7],
-            in_flight_at_end=f[8],
-            context_at_end=f[9],
-            engine_running=f[10],
-            cached_tokens=f[11],
-        )
-        out.append((str(row[0]), obs))
+        f.update({field: int(f[field]) for field in _COUNTS})
+        out.append((str(row[0]), Observation(backend_index=-1, **f)))
     return tuple(out)

@@ -34,10 +34,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hetroute.learning.observation import Observation
+from hetroute.routing.ledger import FLOAT_ROWS
 from hetroute.types import FloatArray, IntArray
-
-ROWS = 6
-"""The ledger's float rows (``Ledger.snapshot_arrays``)."""
 
 
 def peer_heartbeat_s(stale_after_s: float) -> float:
@@ -57,7 +55,7 @@ class PeerSummary:
     """One replica's ledger at ``sent_at_s`` (its own clock) and its completions since its last summary.
 
     ``requests[k]`` and ``rows[r, k]`` belong to backend ``backends[k]`` (float64 arrays of n and
-    ``ROWS`` × n; any sequences given are converted); ``observations`` pair a backend name with the
+    ``FLOAT_ROWS`` × n; any sequences given are converted); ``observations`` pair a backend name with the
     observation (whose ``backend_index`` is the sender's own and is not used; its ``finished_at_s`` is
     on the sender's clock)."""
 
@@ -73,8 +71,8 @@ class PeerSummary:
         n = len(self.backends)
         requests = np.asarray(self.requests, dtype=np.float64)
         rows = np.asarray(self.rows, dtype=np.float64)
-        if requests.shape != (n,) or rows.shape != (ROWS, n):
-            raise ValueError(f"a summary of {n} backends needs {n} requests and {ROWS} rows of {n}")
+        if requests.shape != (n,) or rows.shape != (FLOAT_ROWS, n):
+            raise ValueError(f"a summary of {n} backends needs {n} requests and {FLOAT_ROWS} rows of {n}")
         object.__setattr__(self, "requests", requests)
         object.__setattr__(self, "rows", rows)
 
@@ -127,7 +125,7 @@ class PeerView:
             return []
         mine, theirs = self._positions(summary.backends)
         requests = np.zeros(self._n, dtype=np.float64)
-        rows = np.zeros((ROWS, self._n), dtype=np.float64)
+        rows = np.zeros((FLOAT_ROWS, self._n), dtype=np.float64)
         requests[mine] = summary.requests[theirs]
         rows[:, mine] = summary.rows[:, theirs]
         index = self._index

@@ -26,7 +26,7 @@ from hetroute.learning.live import LiveModels
 from hetroute.learning.observation import Observation
 from hetroute.prefix.state import PrefixState
 from hetroute.routing.foreign import DEFAULT_FOREIGN_MODE, ForeignLoad, ForeignMode
-from hetroute.routing.ledger import Ledger, Ticket
+from hetroute.routing.ledger import GENERATED_ROW, INPUT_ROW, Ledger, Ticket
 from hetroute.routing.peers import PeerSummary, PeerView
 from hetroute.types import (
     Api,
@@ -42,9 +42,6 @@ from hetroute.types import (
     RoutingDecision,
     engine_speaks,
 )
-
-_INPUT, _GENERATED = 0, 2
-"""Rows of ``Ledger.snapshot_arrays``' float array: input tokens and generated tokens in flight."""
 
 OUTBOX_MAX = 4096
 """Completions held for the next peer summary at most (the oldest are dropped): bounded even if no
@@ -287,20 +284,20 @@ class Router:
         peers = self.peers
         if peers is None:
             raise RuntimeError("publish needs a PeerView (replicas exchanging summaries)")
+        now = self.clock.now()
         self._peer_seq += 1
-        self._changes_published = self._changes
-        self._published_at_s = self.clock.now()
+        self._changes_published, self._published_at_s = self._changes, now
         requests, floats = self.ledger.snapshot_arrays()
-        live = self.members()
+        live = list(self.members())
         observations = tuple(self._outbox)
         self._outbox.clear()
         return PeerSummary(
             replica=peers.replica,
             seq=self._peer_seq,
-            sent_at_s=self.clock.now(),
+            sent_at_s=now,
             backends=tuple(self.backends[i].name for i in live),
-            requests=requests[list(live)].astype(np.float64),
-            rows=floats[:, list(live)],
+            requests=requests[live].astype(np.float64),
+            rows=floats[:, live],
             observations=observations,
         )
 
@@ -414,12 +411,18 @@ class Router:
         peers, the load the ticket records for the learner includes theirs."""
         marked = ticket.first_token_at_s is None and not ticket.released
         self.ledger.first_token(ticket, now_s)
-        if marked and self.peers is not None:
-            totals = self.peers.totals(now_s)
-            if totals is not None:
-                i = ticket.backend_index
-                ticket.in_flight_at_first += float(totals[0][i])
-                ticket.context_at_first += float(totals[1][_INPUT, i] + totals[1][_GENERATED, i])
+        if marked:
+            requests, context = self._peer_load(ticket.backend_index, now_s)
+            ticket.in_flight_at_first += requests
+            ticket.context_at_first += context
+
+    def _peer_load(self, i: int, now_s: float) -> tuple[float, float]:
+        """The current peers' requests in flight on backend ``i`` and their context tokens (input +
+        generated) there; (0, 0) without peers."""
+        totals = self.peers.totals(now_s) if self.peers is not None else None
+        if totals is None:
+            return 0.0, 0.0
+        return float(totals[0][i]), float(totals[1][INPUT_ROW, i] + totals[1][GENERATED_ROW, i])
 
     def observe_generated(self, ticket: Ticket, generated_tokens: int) -> None:
         """``ticket``'s answer has streamed ``generated_tokens`` tokens so far (cumulative)."""
@@ -450,12 +453,11 @@ class Router:
             # A stream that came in one burst (buffered upstream) is learned from its e2e only.
             ttft = None if burst else first - ticket.dispatched_at_s
         metrics = self._latest_metrics(i)
-        in_flight_end = float(ledger.requests_in_flight[i])
-        context_end = float(ledger.input_tokens_in_flight[i] + ledger.generated_tokens_in_flight[i])
-        totals = self.peers.totals(now) if self.peers is not None else None
-        if totals is not None:  # the engine's batch holds the peers' requests too
-            in_flight_end += float(totals[0][i])
-            context_end += float(totals[1][_INPUT, i] + totals[1][_GENERATED, i])
+        peer_requests, peer_context = self._peer_load(i, now)  # the engine's batch holds theirs too
+        in_flight_end = float(ledger.requests_in_flight[i]) + peer_requests
+        context_end = (
+            float(ledger.input_tokens_in_flight[i] + ledger.generated_tokens_in_flight[i]) + peer_context
+        )
         obs = Observation(
             backend_index=i,
             finished_at_s=now,
