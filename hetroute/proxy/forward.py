@@ -46,6 +46,7 @@ from hetroute.prefix.hashing import ROUTER_CHUNK_CHARS, text_chunk_hashes
 from hetroute.proxy.api_errors import REQUEST_ID_HEADER, ApiError, error_response
 from hetroute.proxy.failover import AttemptFailure, exhausted_response
 from hetroute.proxy.headers import client_headers, upstream_headers
+from hetroute.proxy.http1 import UpstreamError, UpstreamResponse
 from hetroute.proxy.protocols import ParsedRequest, TokenEstimator
 from hetroute.proxy.relay import end_with_error, pump
 from hetroute.proxy.sse import OpenAIStreamTap, TgiStreamTap
@@ -233,12 +234,13 @@ class Forwarder:
         """Send ``a`` upstream and answer the client; AttemptFailure when another backend may be tried."""
         parsed, watchdog = a.parsed, a.watchdog
         i = a.ticket.backend_index
-        resp: aiohttp.ClientResponse | None = None
+        resp: UpstreamResponse | None = None
         sent_at = self.clock.now()
         try:
             try:
                 resp = await self.upstream.post(
-                    self.router.backends[i].url + parsed.upstream_path,
+                    self.router.backends[i].url,
+                    parsed.upstream_path,
                     parsed.body,
                     upstream_headers(a.request.headers, a.rec.request_id),
                 )
@@ -250,7 +252,7 @@ class Forwarder:
                     raise AttemptFailure(f"status {status}", status=status, body=body)
                 if not parsed.stream or status != 200:
                     return self._complete(a, resp, await resp.read())
-                first = await resp.content.readany()
+                first = await resp.readany()
             except asyncio.CancelledError as exc:
                 if not watchdog.fired():
                     raise
@@ -260,7 +262,7 @@ class Forwarder:
                     self.health.record_failure(i, "first-byte timeout")
                     raise AttemptFailure("first-byte timeout", timeout=True) from exc
                 self._request_timeout(i, sent_at, a.rec)
-            except (aiohttp.ClientError, OSError) as exc:
+            except (UpstreamError, OSError) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
                 self.health.record_failure(i, reason)
                 raise AttemptFailure(reason) from exc
@@ -294,7 +296,7 @@ class Forwarder:
             self.predictor.observe(model, rec.prompt_tokens or 0, completion)
             self.router.complete(a.ticket, completion, input_tokens=prompt, streamed=streamed)
 
-    def _complete(self, a: Attempt, resp: aiohttp.ClientResponse, body: bytes) -> web.Response:
+    def _complete(self, a: Attempt, resp: UpstreamResponse, body: bytes) -> web.Response:
         """The client's answer to a non-streaming request (or a stream's non-200), read whole."""
         now = self.clock.now()
         ticket, rec = a.ticket, a.rec
@@ -306,7 +308,7 @@ class Forwarder:
         headers = client_headers(resp.headers, ticket.backend_name, rec.request_id)
         return web.Response(status=resp.status, body=body, headers=headers)
 
-    async def _stream(self, a: Attempt, resp: aiohttp.ClientResponse, first: bytes) -> web.StreamResponse:
+    async def _stream(self, a: Attempt, resp: UpstreamResponse, first: bytes) -> web.StreamResponse:
         """Relay a 200 stream whose first chunk is ``first``; errors after it end the stream in-band."""
         parsed, ticket, rec, watchdog = a.parsed, a.ticket, a.rec, a.watchdog
         out = web.StreamResponse(

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
+from hetroute.proxy.http1 import UpstreamError, UpstreamResponse
 from hetroute.proxy.sse import OpenAIStreamTap, TgiStreamTap, openai_error_event, tgi_error_event
 from hetroute.proxy.watchdog import Watchdog
 from hetroute.routing.ledger import Ticket
@@ -27,7 +28,7 @@ OBSERVE_EVERY = 4
 
 async def pump(
     out: web.StreamResponse,
-    resp: aiohttp.ClientResponse,
+    resp: UpstreamResponse,
     tap: OpenAIStreamTap | TgiStreamTap,
     ticket: Ticket,
     watchdog: Watchdog,
@@ -40,15 +41,15 @@ async def pump(
     the watchdog ends an idle stream. Cancellation not caused by the watchdog propagates.
     """
     loop = asyncio.get_running_loop()
-    content = resp.content
+    readany = resp.readany
     write = out.write
     feed = tap.feed
     reported = 0
     try:
         while True:
             try:
-                chunk = await content.readany()
-            except (aiohttp.ClientError, OSError) as exc:
+                chunk = await readany()
+            except (UpstreamError, OSError) as exc:
                 return f"upstream failed mid-stream: {type(exc).__name__}", False
             if not chunk:
                 break
