@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import select
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from json.encoder import encode_basestring_ascii
 
 ACCESS_LOGGER = "hetroute.access"
 
@@ -42,6 +44,45 @@ class AccessRecord:
 
 _FIELDS = tuple(f.name for f in fields(AccessRecord))
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps(separators=...) builds one per call
+_TIMES = ("ttft_s", "itl_s", "duration_s")  # rounded to the µs
+
+
+def _text(value: str | None) -> str:
+    return "null" if value is None else encode_basestring_ascii(value)
+
+
+def _count(value: int | None) -> str:
+    return "null" if value is None else str(int(value))
+
+
+def _time(value: float | None) -> str:
+    if value is None:
+        return "null"
+    seconds = round(float(value), 6)
+    return float.__repr__(seconds) if math.isfinite(seconds) else _ENCODE(seconds)
+
+
+def record_line(r: AccessRecord) -> str:
+    """``r`` as one compact JSON object, fields in declaration order: exactly what
+    ``json.JSONEncoder(separators=(",", ":")).encode`` makes of its dict with the times rounded to the
+    µs (the test checks that), in a third of the time, written out field by field."""
+    return (
+        f'{{"request_id":{_text(r.request_id)},"api":{_text(r.api)},"path":{_text(r.path)},'
+        f'"model":{_text(r.model)},"backend":{_text(r.backend)},"status":{_count(r.status)},'
+        f'"attempts":{_count(r.attempts)},"stream":{"true" if r.stream else "false"},'
+        f'"ttft_s":{_time(r.ttft_s)},"itl_s":{_time(r.itl_s)},"duration_s":{_time(r.duration_s)},'
+        f'"prompt_tokens":{_count(r.prompt_tokens)},"completion_tokens":{_count(r.completion_tokens)},'
+        f'"policy":{_text(r.policy)},"reason":{_text(r.reason)},"error":{_text(r.error)}}}'
+    )
+
+
+def record_line_reference(r: AccessRecord) -> str:
+    """The encoder's own line for ``r`` (:func:`record_line`'s specification; tests compare them)."""
+    data = {name: getattr(r, name) for name in _FIELDS}
+    for key in _TIMES:
+        if data[key] is not None:
+            data[key] = round(data[key], 6)
+    return _ENCODE(data)
 
 
 LineSink = Callable[[str], object]
@@ -67,11 +108,7 @@ class AccessLog:
             return
         if self._sink is None and not self._logger.isEnabledFor(logging.INFO):
             return
-        data = {name: getattr(record, name) for name in _FIELDS}  # dataclasses.asdict is ~10x slower
-        for key in ("ttft_s", "itl_s", "duration_s"):
-            if data[key] is not None:
-                data[key] = round(data[key], 6)
-        line = _ENCODE(data)
+        line = record_line(record)
         if self._sink is not None:
             self._sink(line + "\n")
         else:
