@@ -36,7 +36,8 @@ from prometheus_client import CollectorRegistry
 from hetroute.app import build_app, start_app
 from hetroute.catalog.specs import load_gpu_catalog, lookup_gpu
 from hetroute.cli import build_parser
-from hetroute.config import Config, load_config
+from hetroute.config import PEER_KEY_ENV, Config, load_config
+from hetroute.errors import ConfigError
 from tests.conftest import EmulateFn
 
 REPO = Path(__file__).resolve().parents[2]
@@ -413,8 +414,8 @@ def test_replicas_variant_reuses_the_emulators_and_the_router_config() -> None:
         svc = SERVICES[router]
         assert svc["command"] == BASE["router"]["command"]
         target = svc["command"][svc["command"].index("--config") + 1]
-        assert _compose_mount(router, target) == REPO / "config/compose/router.yaml"
-        cfg = load_config(_compose_mount(router, target), env={})
+        assert _compose_mount(router, target) == COMPOSE_DIR / "router-peers.yaml"
+        cfg = load_config(_compose_mount(router, target), env={PEER_KEY_ENV: "k" * 64})
         assert cfg.server.port == _container_port(router) and cfg.server.host == "0.0.0.0"
         assert {urlsplit(b.url).hostname for b in cfg.backends} == set(EMULATORS)
         assert all(svc["depends_on"][e] == {"condition": "service_healthy"} for e in EMULATORS)
@@ -422,6 +423,26 @@ def test_replicas_variant_reuses_the_emulators_and_the_router_config() -> None:
         probe = " ".join(svc["healthcheck"]["test"])
         assert f"127.0.0.1:{_container_port(router)}/ready" in probe
     assert "/ready" in _get_routes(build_app(cfg, registry=CollectorRegistry()))
+
+
+def test_replicas_variant_routers_exchange_summaries_with_a_required_key() -> None:
+    """router-peers.yaml is the CPU profile's router config plus exactly a `peers` section naming both
+    routers; each router gets the key from the environment (compose refuses to start without it) and
+    exposes the peers' UDP port, which is not published."""
+    peers_file = COMPOSE_DIR / "router-peers.yaml"
+    with_peers = yaml.safe_load(peers_file.read_text(encoding="utf-8"))
+    base = yaml.safe_load((REPO / "config/compose/router.yaml").read_text(encoding="utf-8"))
+    assert {k: v for k, v in with_peers.items() if k != "peers"} == base
+    cfg = load_config(peers_file, env={PEER_KEY_ENV: "k" * 64})
+    assert cfg.peers.enabled
+    assert set(cfg.peers.addresses) == {(router, cfg.peers.listen_port) for router in ROUTERS}
+    with pytest.raises(ConfigError, match=PEER_KEY_ENV):
+        load_config(peers_file, env={})
+    for router in ROUTERS:
+        svc = SERVICES[router]
+        assert svc["environment"][PEER_KEY_ENV].startswith("${" + PEER_KEY_ENV + ":?")  # required
+        assert f"{cfg.peers.listen_port}/udp" in svc["expose"]
+        assert not svc.get("ports")
 
 
 def test_nginx_service_is_published_and_waits_for_both_routers() -> None:
