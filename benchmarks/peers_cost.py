@@ -7,8 +7,9 @@ Writes ``benchmarks/results/peers_cost.json`` and ``peers_cost.md``.
 Per fleet size n (``decision_latency.py``'s fleet of alternating fast and slow profiled backends, the
 default policy, 8 × n requests in flight), with the router wired as the gateway wires it:
 
-- ``Router.route`` + ``Router.release`` without a peer view, and with one holding ``--peers`` current
-  summaries (each as loaded as the router itself);
+- ``Router.route`` + ``Router.release`` without a peer view, with one holding ``--peers`` current
+  summaries (each as loaded as the router itself), and with them and ``peers.mirror`` on (the default:
+  every dispatch and release marked, each decision adding the own change since each summary);
 - one summary: ``Router.publish`` + :func:`~hetroute.routing.peer_wire.encode` (the sender, every
   ``peers.interval_s``), its size, and :func:`~hetroute.routing.peer_wire.decode` + ``Router.receive``
   (each receiver), with 20 observations in it (a busy interval's completions; ``receive`` feeds them
@@ -47,9 +48,11 @@ from hetroute.types import RequestFeatures  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 KEY = b"benchmark-key"
 OBSERVATIONS = 20
+MIRROR_FOLLOW_S = 0.01
+"""2 × the default ``peers.interval_s``."""
 
 
-def _router(n: int, replica: str | None, clock: ManualClock) -> Router:
+def _router(n: int, replica: str | None, clock: ManualClock, follow_s: float = 0.0) -> Router:
     backends = fleet(n)
     models = BackendModels.from_specs(backends)
     names = [b.name for b in backends]
@@ -59,7 +62,7 @@ def _router(n: int, replica: str | None, clock: ManualClock) -> Router:
         Ledger(names),
         clock,
         learner=build_live_models(models, LearningConfig()),
-        peers=None if replica is None else PeerView(replica, names, stale_s=1e9),
+        peers=None if replica is None else PeerView(replica, names, stale_s=1e9, follow_s=follow_s),
     )
 
 
@@ -96,6 +99,15 @@ def measure(n: int, decisions: int, peers: int) -> dict[str, float]:
     for o in others:
         me.receive(o.publish())
     with_peers = _decisions_us(me, _features(decisions, 2))
+    # The same with peers.mirror on (the default): every dispatch and release is marked, and each
+    # decision adds the own change since each peer's summary (peer_mirror.py).
+    mirroring = _router(n, "me", clock, follow_s=MIRROR_FOLLOW_S)
+    mirrored_held = [mirroring.route(f) for f in _features(8 * n, 1)]
+    for o in others:
+        mirroring.receive(o.publish())
+    with_mirror = _decisions_us(mirroring, _features(decisions, 2))
+    for t in mirrored_held:
+        mirroring.release(t)
     # One summary with OBSERVATIONS completions: sender and receiver.
     sender = others[0]
     send_us, recv_us, sizes = [], [], []
@@ -130,6 +142,8 @@ def measure(n: int, decisions: int, peers: int) -> dict[str, float]:
         "route_release_p99_us": float(np.percentile(base, 99)),
         "with_peers_p50_us": float(np.percentile(with_peers, 50)),
         "with_peers_p99_us": float(np.percentile(with_peers, 99)),
+        "with_mirror_p50_us": float(np.percentile(with_mirror, 50)),
+        "with_mirror_p99_us": float(np.percentile(with_mirror, 99)),
         "send_p50_us": float(np.median(send_us)),
         "receive_p50_us": float(np.median(recv_us)),
         "receive_empty_p50_us": float(np.median(empty_us)),
@@ -154,17 +168,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"`python benchmarks/peers_cost.py {' '.join(argv if argv is not None else sys.argv[1:])}` on "
         f"{platform.machine()}, Python {platform.python_version()}, one core; µs. Decision: route + "
         f"release, default policy, 8 requests in flight per backend, with {args.peers} current peer "
-        f"summaries or none. One summary: publish + encode (sender), decode + receive (each receiver), "
+        f"summaries or none, and with them and `peers.mirror` (the default). One summary: publish + "
+        f"encode (sender), decode + receive (each receiver), "
         f"{OBSERVATIONS} completions in it.",
         "",
-        "| backends | decision p50 / p99 | with peers p50 / p99 | send p50 | receive p50 "
-        "| receive p50, no completions | datagram bytes |",
-        "|---|---|---|---|---|---|---|",
+        "| backends | decision p50 / p99 | with peers p50 / p99 | with peers and mirror p50 / p99 "
+        "| send p50 | receive p50 | receive p50, no completions | datagram bytes |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n, r in rows.items():
         lines.append(
             f"| {n} | {r['route_release_p50_us']:.1f} / {r['route_release_p99_us']:.1f} | "
-            f"{r['with_peers_p50_us']:.1f} / {r['with_peers_p99_us']:.1f} | {r['send_p50_us']:.0f} | "
+            f"{r['with_peers_p50_us']:.1f} / {r['with_peers_p99_us']:.1f} | "
+            f"{r['with_mirror_p50_us']:.1f} / {r['with_mirror_p99_us']:.1f} | {r['send_p50_us']:.0f} | "
             f"{r['receive_p50_us']:.0f} | {r['receive_empty_p50_us']:.0f} | {r['datagram_bytes']:.0f} |"
         )
     text = "\n".join(lines) + "\n"

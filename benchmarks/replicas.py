@@ -62,6 +62,7 @@ class Task:
     mode: str
     peer_hint: bool = False
     peer_interval_s: float = 0.0
+    peer_mirror: bool = True
 
 
 _FLEETS: dict[tuple[str, str], Any] = {}
@@ -105,6 +106,7 @@ def execute(task: Task) -> dict[str, Any]:
         foreign=task.mode,  # type: ignore[arg-type]
         peer_hint=task.peer_hint,
         peer_interval_s=task.peer_interval_s,
+        peer_mirror=task.peer_mirror,
     )
     return {
         "known": task.known,
@@ -141,6 +143,7 @@ def build_tasks(args: argparse.Namespace) -> list[Task]:
                                     mode,
                                     args.peer_hint,
                                     args.peer_interval,
+                                    not args.no_peer_mirror,
                                 )
                             )
     return tasks
@@ -240,6 +243,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the replicas exchange summaries every S seconds (hetroute.routing.peers; 0: no exchange); "
         "writes replicas_peers.* (replicas_peers_hint.* with --peer-hint)",
     )
+    ap.add_argument(
+        "--no-peer-mirror",
+        action="store_true",
+        help="with --peer-interval: replicas do not mirror their own changes onto their peers between "
+        "summaries (peers.mirror: false; hetroute.routing.peer_mirror); the files get _nomirror",
+    )
     args = ap.parse_args(argv)
     args.scenarios = args.scenarios.split(",")
     args.rates = [math.inf if r.strip() == "inf" else float(r) for r in args.rates.split(",")]
@@ -267,6 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stem = "replicas_peer_hint" if args.peer_hint else "replicas"
     if args.peer_interval > 0:
         stem = "replicas_peers_hint" if args.peer_hint else "replicas_peers"
+        if args.no_peer_mirror:
+            stem += "_nomirror"
     (args.out / f"{stem}.json").write_text(
         json.dumps({"meta": meta, "runs": rows, "cells": agg}, indent=1) + "\n"
     )

@@ -12,7 +12,8 @@ TP1, a seeded ShareGPT-like workload replayed open-loop at ``--speedup``); every
 ``default`` policy with the given ``scrape.foreign_load`` mode (``server.replicas`` left at 1, the
 default a user gets; ``--peer-hint`` sets it to R) and scrapes every ``1 / speedup`` s.
 With ``--peers`` the gateways also exchange summaries over UDP on 127.0.0.1 (``peers``,
-``interval_s`` = ``--peer-interval`` (default 0.005) / speedup, a shared ``HETROUTE_PEER_KEY``).
+``interval_s`` = ``--peer-interval`` (default 0.005) / speedup, a shared ``HETROUTE_PEER_KEY``;
+``--no-peer-mirror`` sets ``peers.mirror`` false and adds ``_nomirror`` to the file names).
 Request k goes to gateway k mod R. Reported: throughput and p99 TTFT (model seconds), and their ratios
 to one gateway at the same rate (issue 14's bars: ≥ 0.97 and ≤ 1.2).
 
@@ -123,6 +124,7 @@ async def run_one(replicas: int, mode: str, rate: float, args: argparse.Namespac
                     "listen_port": udp[r],
                     "interval_s": args.peer_interval / args.speedup,
                     "stale_after_s": 0.25 / args.speedup,
+                    "mirror": not args.no_peer_mirror,
                 }
             path = tmp / f"router{r}.yaml"
             path.write_text(yaml.safe_dump(config), encoding="utf-8")
@@ -161,7 +163,8 @@ def markdown(rows: Sequence[dict[str, Any]], args: argparse.Namespace, wall_s: f
         f"{platform.machine()}, {os.cpu_count()} cores, no GPU; {wall_s:.0f} s. Ratios to one gateway at the "
         "same rate (bars: throughput ≥ 0.97, p99 TTFT ≤ 1.2).",
         "",
-        f"Peers exchanging summaries: {'yes' if args.peers else 'no'}.",
+        f"Peers exchanging summaries: {'yes' if args.peers else 'no'}"
+        f"{' (mirror off)' if args.peers and args.no_peer_mirror else ''}.",
         "",
         "| rate | R | foreign_load | throughput tok/s | × one | p99 TTFT s | × one | failed |",
         "|---|---|---|---|---|---|---|---|",
@@ -185,6 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--peers", action="store_true", help="the gateways exchange summaries (peers)")
     ap.add_argument(
         "--peer-interval", type=float, default=0.005, help="with --peers: peers.interval_s in model seconds"
+    )
+    ap.add_argument(
+        "--no-peer-mirror",
+        action="store_true",
+        help="with --peers: peers.mirror false (no mirroring of own changes between summaries); "
+        "the files get _nomirror",
     )
     ap.add_argument("--modes", default="off,scaled_excess")
     ap.add_argument("--speedup", type=float, default=2.0)
@@ -215,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stem = "replicas_gateway_peer_hint" if args.peer_hint else "replicas_gateway"
     if args.peers:
         stem = "replicas_gateway_peers_hint" if args.peer_hint else "replicas_gateway_peers"
+        if args.no_peer_mirror:
+            stem += "_nomirror"
     (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     (args.out / f"{stem}.md").write_text(text)
     return 0

@@ -241,7 +241,11 @@ def _cluster(cfg: Config, seed: int, clock: Clock, telemetry: Telemetry, replica
         prefix=PrefixState(len(specs), cfg.prefix) if cfg.prefix.enabled else None,
         foreign=cfg.scrape.foreign_load,
         replicas=cfg.server.replicas * cfg.server.workers,
-        peers=PeerView(replica, names, cfg.peers.stale_after_s) if cfg.peers.enabled else None,
+        peers=(
+            PeerView(replica, names, cfg.peers.stale_after_s, cfg.peers.follow_s)
+            if cfg.peers.enabled
+            else None
+        ),
     )
     metrics.on_publish = router.scraped
     membership = Membership(

@@ -52,6 +52,9 @@ class PeersConfig:
       5 ms, 1.14× with 20 ms and 1.4× with a summary every 100 ms (docs/replicas.md).
     - ``stale_after_s``: how long a received summary counts (at least ``interval_s``).
     - ``max_observations``: completions carried per summary at most (the newest).
+    - ``mirror``: between a peer's summaries, count the change this replica made since that summary
+      (over the last 2 × ``interval_s``) as that peer's too (:mod:`hetroute.routing.peer_mirror`): a
+      burst that every replica takes at once is then counted before any summary can arrive.
     """
 
     addresses: Annotated[tuple[tuple[str, int], ...], Reader(_addresses)] = ()
@@ -61,6 +64,12 @@ class PeersConfig:
     stale_after_s: PositiveFloat = 0.25
     resolve_interval_s: PositiveFloat = 10.0
     max_observations: PositiveInt = 200
+    mirror: bool = True
+
+    @property
+    def follow_s(self) -> float:
+        """How far back a replica mirrors its own changes onto a peer (0: ``mirror`` off)."""
+        return 2.0 * self.interval_s if self.mirror else 0.0
 
     @property
     def enabled(self) -> bool:

@@ -133,6 +133,12 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
         "completions every S seconds of modelled time, as with the gateway's peers section "
         "(docs/replicas.md; 0, the default: no exchange)",
     )
+    p.add_argument(
+        "--no-peer-mirror",
+        action="store_true",
+        help="with --peer-interval: the replicas do not count their own change since a peer's summary as "
+        "that peer's too (peers.mirror: false; docs/replicas.md)",
+    )
 
 
 def _with_theta(
@@ -315,6 +321,7 @@ def _run_matrix(
                 replicas=args.replicas,
                 foreign=args.foreign_load,
                 peer_interval_s=args.peer_interval,
+                peer_mirror=not args.no_peer_mirror,
             )
             runs.append(MatrixRun(rate_label(rate), resolve_policy_name(spec.name), spec.params, result))
     return runs, summary
@@ -349,6 +356,8 @@ def _report(
     print(f"workload {args.workload}: {args.requests} requests, seed {args.seed}; predictor {pred.label}")
     if args.replicas > 1:
         exchange = f"; summaries every {args.peer_interval:g} s" if args.peer_interval > 0 else ""
+        if args.peer_interval > 0 and args.no_peer_mirror:
+            exchange += " (no mirror)"
         mode = args.foreign_load
         print(f"{args.replicas} router replicas taking arrivals in turn; foreign load {mode}{exchange}")
     print(format_table(runs))

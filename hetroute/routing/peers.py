@@ -14,6 +14,9 @@ summary. A replica that receives them (:meth:`Router.receive <hetroute.routing.r
 - feeds their observations to its latency learner, so that every replica learns each backend from
   every completion, not from a 1/R share.
 
+Between summaries the router also counts, for each peer, the change it made itself since that peer's
+summary arrived (``follow_s`` > 0; :mod:`hetroute.routing.peer_mirror`).
+
 A summary is current until ``stale_s`` after it arrived (a replica that stopped publishing, or lost its
 connectivity, stops counting); an older ``seq`` from the same replica is ignored (reordering). Backends
 are matched by name: a backend a peer names that this replica does not have is skipped, and one it has
@@ -88,13 +91,20 @@ class _Held:
 class PeerView:
     """The latest summary of every other replica, mapped onto this replica's backends."""
 
-    def __init__(self, replica: str, backend_names: Sequence[str], stale_s: float) -> None:
+    def __init__(
+        self, replica: str, backend_names: Sequence[str], stale_s: float, follow_s: float = 0.0
+    ) -> None:
         """``replica``: this replica's own id (its own summaries, echoed back, are ignored);
-        ``stale_s``: how long a received summary counts."""
+        ``stale_s``: how long a received summary counts; ``follow_s`` (0: off): how far back the router
+        mirrors its own changes onto each peer since that peer's summary
+        (:mod:`hetroute.routing.peer_mirror`)."""
         if not stale_s > 0 or not math.isfinite(stale_s):
             raise ValueError(f"stale_s must be a finite number > 0, got {stale_s}")
+        if not follow_s >= 0 or not math.isfinite(follow_s):
+            raise ValueError(f"follow_s must be a finite number >= 0, got {follow_s}")
         self.replica = replica
         self.stale_s = stale_s
+        self.follow_s = follow_s
         self._held: dict[str, _Held] = {}
         self._index: dict[str, int] = {}
         self._positions_cache: dict[tuple[str, ...], tuple[IntArray, IntArray]] = {}
@@ -174,6 +184,11 @@ class PeerView:
         self._totals = (requests, rows)
         self._valid_until_s = min(h.received_at_s for h in held) + self.stale_s
         return self._totals
+
+    def received_at(self, now_s: float) -> list[float]:
+        """When each current peer's summary arrived (this replica's clock)."""
+        self.totals(now_s)
+        return [h.received_at_s for h in self._held.values()]
 
     def peers(self, now_s: float) -> int:
         """How many other replicas' summaries are current."""

@@ -27,6 +27,7 @@ from hetroute.learning.observation import Observation
 from hetroute.prefix.state import PrefixState
 from hetroute.routing.foreign import DEFAULT_FOREIGN_MODE, ForeignLoad, ForeignMode
 from hetroute.routing.ledger import GENERATED_ROW, INPUT_ROW, Ledger, Ticket
+from hetroute.routing.peer_mirror import OwnHistory
 from hetroute.routing.peers import PeerSummary, PeerView
 from hetroute.types import (
     Api,
@@ -110,6 +111,9 @@ class Router:
         routed to, not listed (live backend changes, :mod:`hetroute.backends.membership`)."""
         self.foreign = ForeignLoad(len(self.backends), foreign, peers=max(replicas - 1, 0))
         self.peers = peers
+        self._own_history = OwnHistory(peers.follow_s) if peers is not None and peers.follow_s > 0 else None
+        """This router's ledger after its recent dispatches and releases, mirrored onto each peer since
+        its summary (peer_mirror.py)."""
         self._outbox: deque[tuple[str, Observation]] = deque(maxlen=OUTBOX_MAX)
         """Observations of this router's completions since its last summary (with ``peers`` only)."""
         self._peer_seq = 0
@@ -143,6 +147,9 @@ class Router:
         self._available_key: tuple[bool, ...] | None = None
         self._available: BoolArray = np.zeros(0, dtype=np.bool_)
         self._cand_cache: tuple[tuple[int, ...], tuple[bool, ...], frozenset[int], IntArray] | None = None
+        if self._own_history is not None:  # afresh, from the ledger as it stands
+            self._own_history.clear()
+            self._own_history.mark(self.clock.now(), *self.ledger.snapshot_arrays())
 
     def set_slot(self, index: int, spec: BackendSpec) -> None:
         """Put backend ``spec`` in slot ``index``: one past the last (the cluster grows) or a retired slot
@@ -227,6 +234,7 @@ class Router:
         now = self.clock.now()
         totals = self.peers.totals(now) if self.peers is not None else None
         if totals is not None:  # the other replicas' own summaries (peers.py) replace the estimate
+            totals = self._mirrored(now, totals)
             requests, floats = _plus(requests, floats, totals)
         else:
             foreign = self.foreign.counts(metrics, requests)
@@ -258,6 +266,18 @@ class Router:
             session_backend=session_backend,
         )
         return snap, available
+
+    def _mirrored(self, now: float, totals: tuple[FloatArray, FloatArray]) -> tuple[FloatArray, FloatArray]:
+        """The peers' ``totals`` plus the change each is assumed to have made since its summary (this
+        router's own over the same span, peer_mirror.py), clamped at 0; ``totals`` as they are when
+        mirroring is off."""
+        history = self._own_history
+        if history is None or self.peers is None:
+            return totals
+        mirrored = history.mirrored(now, self.peers.received_at(now))
+        if mirrored is None:
+            return totals
+        return np.maximum(totals[0] + mirrored[0], 0.0), np.maximum(totals[1] + mirrored[1], 0.0)
 
     def foreign_requests(self) -> FloatArray:
         """Requests per backend this router counts as sent by others, under the latest scrapes (none
@@ -402,6 +422,8 @@ class Router:
             decision.index, features.input_tokens, features.predicted_output_tokens, decision.workload_cost
         )
         self._changes += 1
+        if self._own_history is not None:
+            self._own_history.mark(now_s, *self.ledger.snapshot_arrays())
         if self._on_decision is not None:
             self._on_decision(self.policy.name, ticket.backend_name, self._timer() - self._decide_started)
         return ticket
@@ -479,9 +501,12 @@ class Router:
 
     def release(self, ticket: Ticket) -> bool:
         """Release a ticket's accounting; effective exactly once."""
-        released = self.ledger.release(ticket, self.clock.now())
+        now = self.clock.now()
+        released = self.ledger.release(ticket, now)
         if released:
             self._changes += 1
+            if self._own_history is not None:
+                self._own_history.mark(now, *self.ledger.snapshot_arrays())
         return released
 
     def summary_due(self, heartbeat_s: float) -> bool:

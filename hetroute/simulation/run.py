@@ -364,7 +364,8 @@ class Run:
             heapq.heappush(heap, (slow.after_s, _SLOWDOWN, seq, slow.backend_index))
             seq += 1
         if self.peer_interval_s > 0 and len(self.routers) > 1 and self.workload:
-            heapq.heappush(heap, (self.workload[0].arrival_s, _PEER, seq, 0))
+            # The replicas were up before the traffic: their first summaries (heartbeats) are current.
+            heapq.heappush(heap, (self.workload[0].arrival_s - self.peer_interval_s, _PEER, seq, 0))
             seq += 1
         clock = self.clock
         events = 0

@@ -125,6 +125,7 @@ def run_simulation(
     foreign: ForeignMode = DEFAULT_FOREIGN_MODE,
     client_connections: int = 0,
     peer_interval_s: float = 0.0,
+    peer_mirror: bool = True,
 ) -> SimResult:
     """Simulate ``workload`` (sorted by arrival) on ``cluster`` routed by ``policy_name``.
 
@@ -144,7 +145,9 @@ def run_simulation(
     requests the others sent (``hetroute.routing.foreign``); with ``peer_interval_s`` > 0 the replicas
     also exchange summaries of their ledgers and completions that often (``hetroute.routing.peers``:
     each adds the others' in-flight load to its snapshots and learns from their completions), with no
-    transit time. ``client_connections`` > 0 models a
+    transit time, starting one interval before the first arrival (replicas are up before traffic);
+    ``peer_mirror`` (as ``peers.mirror``) counts each replica's own change since a peer's summary as that
+    peer's too (``hetroute.routing.peer_mirror``). ``client_connections`` > 0 models a
     client with that many connections: an arrival beyond them waits in the client until an answer or
     a refusal frees one (its times still count from its arrival); 0 sends every request on arrival.
     """
@@ -155,7 +158,10 @@ def run_simulation(
         raise ConfigError("client_connections", f"must be >= 0, got {client_connections}")
     fleet = cluster if isinstance(cluster, Fleet) else build_fleet(cluster)
     _check_workload(fleet, workload)
-    clock = ManualClock(workload[0].arrival_s if workload else 0.0)
+    start_s = workload[0].arrival_s if workload else 0.0
+    if peer_interval_s > 0 and replicas > 1:
+        start_s -= peer_interval_s  # the replicas' first summaries go out before the first arrival
+    clock = ManualClock(start_s)
     models = BackendModels.from_specs(fleet.backends)
     for slow in slowdowns:
         if not 0 <= slow.backend_index < len(fleet.backends) or not slow.factor > 0:
@@ -174,7 +180,9 @@ def run_simulation(
         peers = None
         if peer_interval_s > 0 and replicas > 1:
             names = [b.name for b in fleet.backends]
-            peers = PeerView(f"replica-{r}", names, DEFAULT_STALE_INTERVALS * peer_interval_s)
+            stale_s = DEFAULT_STALE_INTERVALS * peer_interval_s
+            follow_s = 2.0 * peer_interval_s if peer_mirror else 0.0
+            peers = PeerView(f"replica-{r}", names, stale_s, follow_s)
         return _build_router(fleet, policy, models, clock, holder, learning, prefix, foreign, hint, peers)
 
     router = replica(0)

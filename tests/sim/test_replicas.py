@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +15,13 @@ from hetroute.admission.config import AdmissionConfig
 from hetroute.commands import simulate as simulate_cmd
 from hetroute.errors import ConfigError
 from hetroute.learning.settings import LearningConfig
-from hetroute.sim.cluster_file import build_fleet
+from hetroute.sim.cluster_file import Fleet, build_fleet
 from hetroute.sim.scenarios import get_scenario
 from hetroute.sim.workload import generate_workload
 from hetroute.simulation.admission_run import SimAdmission
 from hetroute.simulation.simulator import run_simulation
+
+N_BURST = 1000
 
 
 def test_one_replica_decides_the_same_whatever_it_does_with_foreign_load() -> None:
@@ -107,3 +111,39 @@ def test_simulate_command_runs_replicas(tmp_path: Path, capsys: pytest.CaptureFi
     bad = parser.parse_args([*argv, "--replicas", "2", "--peer-interval", "-1"])
     assert bad.func(bad) != 0
     assert "--peer-interval: must be a finite number >= 0" in capsys.readouterr().err
+
+
+def _nothing_known(scenario: str) -> Fleet:
+    """The scenario's fleet with nothing known (no GPU, TP, limits or profile): a new user's setup."""
+    fleet = build_fleet(get_scenario(scenario).cluster())
+    stripped = tuple(
+        replace(b, gpu=None, tp=None, labels={}, max_num_seqs=None, profile=None) for b in fleet.backends
+    )
+    return replace(fleet, backends=stripped)
+
+
+def test_a_burst_all_replicas_take_at_once_is_counted_by_the_mirror() -> None:
+    """Rate ∞: every request arrives at once, before any summary can say who took what. Replicas that
+    mirror their own change onto their peers decide as one router would; without the mirror each fills
+    the fleet as if alone and the throughput falls well short (docs/replicas.md)."""
+    fleet = _nothing_known("paper-a")
+    wl = generate_workload("sharegpt", N_BURST, math.inf, 1, fleet.max_model_len())
+    single = run_simulation(fleet, wl, "default", {}, learning=LearningConfig())
+    runs = {
+        mirror: run_simulation(
+            fleet,
+            wl,
+            "default",
+            {},
+            learning=LearningConfig(),
+            replicas=4,
+            peer_interval_s=0.005,
+            peer_mirror=mirror,
+        )
+        for mirror in (True, False)
+    }
+    for result in runs.values():
+        assert result.completed == N_BURST and result.ledger_zero
+    ratio = {m: r.throughput_tokens_per_s / single.throughput_tokens_per_s for m, r in runs.items()}
+    assert ratio[True] >= 0.97, ratio
+    assert ratio[False] < 0.9, ratio
