@@ -9,7 +9,8 @@ default policy, 8 × n requests in flight), with the router wired as the gateway
 
 - ``Router.route`` + ``Router.release`` without a peer view, with one holding ``--peers`` current
   summaries (each as loaded as the router itself), and with them and ``peers.mirror`` on (the default:
-  every dispatch and release marked, each decision adding the own change since each summary);
+  every dispatch and release marked, each decision adding the own change since each summary; the clock
+  moves 0.2 ms per decision and the summaries arrive again every 5 ms, untimed);
 - one summary: ``Router.publish`` + :func:`~hetroute.routing.peer_wire.encode` (the sender, every
   ``peers.interval_s``), its size, and :func:`~hetroute.routing.peer_wire.decode` + ``Router.receive``
   (each receiver), with 20 observations in it (a busy interval's completions; ``receive`` feeds them
@@ -25,7 +26,7 @@ import json
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,10 @@ KEY = b"benchmark-key"
 OBSERVATIONS = 20
 MIRROR_FOLLOW_S = 0.01
 """2 × the default ``peers.interval_s``."""
+MIRROR_STEP_S = 2e-4
+"""Modelled time between two decisions with the mirror (5,000 requests a second)."""
+MIRROR_SUMMARY_EVERY = 25
+"""Decisions between two rounds of the peers' summaries (every 5 ms of modelled time)."""
 
 
 def _router(n: int, replica: str | None, clock: ManualClock, follow_s: float = 0.0) -> Router:
@@ -76,11 +81,16 @@ def _features(count: int, seed: int) -> list[RequestFeatures]:
     ]
 
 
-def _decisions_us(router: Router, feats: list[RequestFeatures]) -> np.ndarray:
+def _decisions_us(
+    router: Router, feats: list[RequestFeatures], between: Callable[[int], None] | None = None
+) -> np.ndarray:
+    """Time route + release of each of ``feats``; ``between(k)`` runs untimed before decision k."""
     for f in feats[:200]:  # warm-up
         router.release(router.route(f))
     out = np.empty(len(feats), dtype=np.float64)
     for k, f in enumerate(feats):
+        if between is not None:
+            between(k)
         t0 = time.perf_counter_ns()
         router.release(router.route(f))
         out[k] = (time.perf_counter_ns() - t0) / 1e3
@@ -101,11 +111,19 @@ def measure(n: int, decisions: int, peers: int) -> dict[str, float]:
     with_peers = _decisions_us(me, _features(decisions, 2))
     # The same with peers.mirror on (the default): every dispatch and release is marked, and each
     # decision adds the own change since each peer's summary (peer_mirror.py).
+    # The clock moves MIRROR_STEP_S per decision and the peers' summaries arrive every
+    # MIRROR_SUMMARY_EVERY decisions (5 ms: a busy exchange), so the marks and windows are as in use.
     mirroring = _router(n, "me", clock, follow_s=MIRROR_FOLLOW_S)
     mirrored_held = [mirroring.route(f) for f in _features(8 * n, 1)]
-    for o in others:
-        mirroring.receive(o.publish())
-    with_mirror = _decisions_us(mirroring, _features(decisions, 2))
+
+    def tick(k: int) -> None:
+        clock.set(clock.now() + MIRROR_STEP_S)
+        if k % MIRROR_SUMMARY_EVERY == 0:
+            for o in others:
+                mirroring.receive(o.publish())
+
+    tick(0)
+    with_mirror = _decisions_us(mirroring, _features(decisions, 2), tick)
     for t in mirrored_held:
         mirroring.release(t)
     # One summary with OBSERVATIONS completions: sender and receiver.

@@ -26,8 +26,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Sequence
-
-import numpy as np
+from typing import cast
 
 from hetroute.types import FloatArray, IntArray
 
@@ -74,17 +73,27 @@ class OwnHistory:
     def mirrored(self, now_s: float, received_at_s: Sequence[float]) -> tuple[FloatArray, FloatArray] | None:
         """The load the peers whose summaries arrived at ``received_at_s`` are assumed to have added since
         (their sum; negative where this replica released more than it dispatched); None without peers
-        or marks."""
-        if not received_at_s or not self._times:
+        or marks, or when this replica has not changed since any of those instants."""
+        times = self._times
+        if not received_at_s or not times:
             return None
-        last_requests, last_floats = self._marks[-1]
         window_start = now_s - self.follow_s
-        base_requests = np.zeros(last_requests.shape, dtype=np.float64)
-        base_floats = np.zeros(last_floats.shape, dtype=np.float64)
+        last = len(times) - 1
+        counts: dict[int, int] = {}
         for received in received_at_s:
-            marked = self.at(max(received, window_start))
-            assert marked is not None
-            base_requests += marked[0]
-            base_floats += marked[1]
-        k = float(len(received_at_s))
-        return k * last_requests - base_requests, k * last_floats - base_floats
+            k = bisect_right(times, received if received > window_start else window_start) - 1
+            k = k if k > 0 else 0
+            if k != last:
+                counts[k] = counts.get(k, 0) + 1
+        if not counts:  # no own dispatch or release since any of them
+            return None
+        marks = self._marks
+        last_requests, last_floats = marks[last]
+        n = float(sum(counts.values()))
+        requests = cast(FloatArray, n * last_requests)
+        floats: FloatArray = n * last_floats
+        for k, count in counts.items():
+            base_requests, base_floats = marks[k]
+            requests -= count * base_requests if count != 1 else base_requests
+            floats -= count * base_floats if count != 1 else base_floats
+        return requests, floats
