@@ -320,7 +320,7 @@ class _Connection(asyncio.Protocol):
 
     def _head(self, resp: UpstreamResponse, head: bytes) -> None:
         """Parse a response head; set the body's framing, or skip a 1xx head."""
-        lines = head.decode("latin-1").split("\r\n")
+        lines = head.decode("utf-8", "surrogateescape").split("\r\n")  # as aiohttp decodes heads
         status_line = lines[0]
         version, _, rest = status_line.partition(" ")
         code = rest[:3]

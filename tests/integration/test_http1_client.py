@@ -128,6 +128,15 @@ async def test_a_content_length_answer_is_read_and_its_connection_reused(serve: 
     pool.close()
 
 
+async def test_header_values_are_read_as_utf8_like_aiohttps_client(serve: Serve) -> None:
+    server = await serve(lambda i: ok(b"{}", "X-Name: caf\u00e9\r\n".encode()))
+    pool = Http1Pool(connect_s=2.0)
+    resp = await pool.post(f"http://127.0.0.1:{server.port}", "/generate", b"{}", HEADERS)
+    assert resp.headers["X-Name"] == "caf\u00e9"
+    resp.close()
+    pool.close()
+
+
 async def test_a_chunked_stream_split_at_every_byte_is_relayed_whole(serve: Serve) -> None:
     events = b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"
     wire = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\nX-Trailer: t\r\n\r\n"
