@@ -44,6 +44,15 @@ _HEX_DIGITS = b"0123456789abcdefABCDEF"
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_CLOSE, _DONE = range(8)
 
 
+def _find(buf: bytes, sep: bytes, limit: int, what: str) -> int:
+    """Where ``sep`` starts in ``buf``; -1 while it may still come; a protocol error naming ``what``
+    when ``buf`` is already longer than ``limit`` without it."""
+    end = buf.find(sep)
+    if end < 0 and len(buf) > limit:
+        raise UpstreamProtocolError(f"{what} is too long")
+    return end
+
+
 class UpstreamError(Exception):
     """Any failure of an upstream exchange."""
 
@@ -251,10 +260,8 @@ class _Connection(asyncio.Protocol):
         while buf:
             state = self._state
             if state == _CHUNK_SIZE:
-                end = buf.find(b"\r\n")
+                end = _find(buf, b"\r\n", MAX_CHUNK_LINE_BYTES, "a chunk-size line")
                 if end < 0:
-                    if len(buf) > MAX_CHUNK_LINE_BYTES:
-                        raise UpstreamProtocolError("a chunk-size line is too long")
                     break
                 size = buf[:end]
                 if b";" in size:  # chunk extensions are ignored
@@ -287,10 +294,8 @@ class _Connection(asyncio.Protocol):
                 self._pause_if(resp._body(buf))
                 buf = b""
             elif state == _HEAD:
-                end = buf.find(b"\r\n\r\n")
+                end = _find(buf, b"\r\n\r\n", MAX_HEAD_BYTES, "the response head")
                 if end < 0:
-                    if len(buf) > MAX_HEAD_BYTES:
-                        raise UpstreamProtocolError("the response head is too long")
                     break
                 self._head(resp, buf[:end])
                 buf = buf[end + 4 :]
@@ -305,10 +310,8 @@ class _Connection(asyncio.Protocol):
                 buf = buf[2:]
                 self._state = _CHUNK_SIZE
             elif state == _TRAILERS:
-                end = buf.find(b"\r\n")
+                end = _find(buf, b"\r\n", MAX_HEAD_BYTES, "the trailer section")
                 if end < 0:
-                    if len(buf) > MAX_HEAD_BYTES:
-                        raise UpstreamProtocolError("the trailer section is too long")
                     break
                 buf = buf[end + 2 :]
                 if end == 0:  # the empty line ends the message

@@ -233,7 +233,13 @@ async def test_a_broken_body_fails_the_read(
 
 
 @pytest.mark.parametrize(
-    "pieces", [[b"SPDY/3 200 OK\r\n\r\n"], [b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n"], [b"HTTP/1.1 2"]]
+    "pieces",
+    [
+        [b"SPDY/3 200 OK\r\n\r\n"],
+        [b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n"],
+        [b"HTTP/1.1 2"],
+        [b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * 70_000],  # past MAX_HEAD_BYTES without an end
+    ],
 )
 async def test_a_malformed_head_is_a_protocol_error(serve: Serve, pieces: list[bytes]) -> None:
     server = await serve(lambda i: Answer(pieces, close=True))
