@@ -45,10 +45,11 @@ class OwnHistory:
 
     def mark(self, now_s: float, requests: IntArray, floats: FloatArray) -> None:
         """The own arrays (read-only snapshots, kept by reference) are these from ``now_s`` on (after a
-        dispatch or release, and once at the start). Marks no longer needed (older than ``follow_s`` and
-        not the latest such) are dropped."""
+        dispatch or release, and once at the start); a time not after the latest mark's replaces that
+        mark's arrays, so the marks stay in time order. Marks no longer needed (older than ``follow_s``
+        and not the latest such) are dropped."""
         times = self._times
-        if times and times[-1] == now_s:
+        if times and now_s <= times[-1]:  # the same instant (or a caller's older clock reading)
             self._marks[-1] = (requests, floats)
         else:
             times.append(now_s)

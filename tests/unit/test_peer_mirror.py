@@ -32,6 +32,7 @@ def test_marks_give_the_state_at_any_instant_and_only_the_needed_ones_are_kept()
     history.mark(0.0, *arrays(0, 0))
     history.mark(0.001, *arrays(1, 0))
     history.mark(0.001, *arrays(2, 0))  # a second change at the same instant replaces the first
+    history.mark(0.0008, *arrays(2, 0))  # an older clock reading too: the marks stay in time order
     assert history.at(0.0005)[0].tolist() == [0, 0]  # type: ignore[index]
     assert history.at(0.001)[0].tolist() == [2, 0]  # type: ignore[index]
     assert history.at(-1.0)[0].tolist() == [0, 0]  # type: ignore[index]  # before all: the earliest
