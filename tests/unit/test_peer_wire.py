@@ -180,3 +180,15 @@ def test_the_peers_section_is_validated_naming_the_field() -> None:
         with pytest.raises(ConfigError) as caught:
             config_from_dict({"backends": BACKENDS, "peers": section}, env=environ)
         assert caught.value.path.startswith(field), (section, caught.value)
+
+
+def test_the_mirror_follows_twice_the_interval_unless_turned_off() -> None:
+    env = {"HETROUTE_PEER_KEY": "s3cr3t-peer-key"}
+    section: dict[str, Any] = {"addresses": ["10.0.0.2:9000"], "interval_s": 0.004}
+    on = config_from_dict({"backends": BACKENDS, "peers": section}, env=env)
+    assert on.peers.mirror and on.peers.follow_s == pytest.approx(0.008)
+    off = config_from_dict({"backends": BACKENDS, "peers": {**section, "mirror": False}}, env=env)
+    assert not off.peers.mirror and off.peers.follow_s == 0.0
+    with pytest.raises(ConfigError) as caught:
+        config_from_dict({"backends": BACKENDS, "peers": {**section, "mirror": "sometimes"}}, env=env)
+    assert caught.value.path == "peers.mirror"
