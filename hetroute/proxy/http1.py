@@ -378,14 +378,17 @@ class _Connection(asyncio.Protocol):
 class Http1Pool:
     """Keep-alive connections per origin; see the module docstring. Use inside one event loop."""
 
-    def __init__(self, *, connect_s: float, idle_s: float = 15.0) -> None:
+    def __init__(
+        self, *, connect_s: float, idle_s: float = 15.0, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         """``connect_s`` bounds a new connection's set-up (TCP, and TLS for ``https``); an idle pooled
-        connection is closed after ``idle_s``."""
+        connection is closed after ``idle_s``; ``ssl_context`` is used for ``https`` origins (default:
+        the system's CAs, certificate and host name verified, made on the first ``https`` connection)."""
         self.connect_s = connect_s
         self.idle_s = idle_s
         self._idle: dict[Origin, list[_Connection]] = {}
         self._origins: dict[str, Origin] = {}
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context
         self._closed = False
 
     def origin(self, base_url: str) -> Origin:

@@ -8,10 +8,12 @@ exercised.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import pytest
+import trustme
 from multidict import CIMultiDict
 
 from hetroute.proxy.http1 import (
@@ -320,6 +322,32 @@ async def test_a_header_with_a_line_break_is_refused_before_sending(serve: Serve
         await pool.post(f"http://127.0.0.1:{server.port}", "/generate", b"{}", bad)
     assert server.seen == []
     pool.close()
+
+
+async def test_https_verifies_the_backends_certificate() -> None:
+    """TLS to an ``https`` backend: a certificate from a trusted CA for the host name works; with the
+    system's CAs (which do not trust this test CA) the connection is refused as a connect error."""
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(server_context)
+    state = Server(lambda i: ok(b'{"tls":true}'))
+    server = await asyncio.start_server(state.handle, "127.0.0.1", 0, ssl=server_context)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        client_context = ssl.create_default_context()
+        ca.configure_trust(client_context)
+        pool = Http1Pool(connect_s=5.0, ssl_context=client_context)
+        resp = await pool.post(f"https://localhost:{port}", "/generate", b"{}", HEADERS)
+        assert resp.status == 200 and await resp.read() == b'{"tls":true}'
+        resp.close()
+        assert f"Host: localhost:{port}\r\n" in state.seen[0].head
+        pool.close()
+        untrusting = Http1Pool(connect_s=5.0)
+        with pytest.raises(UpstreamConnectError, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+            await untrusting.post(f"https://localhost:{port}", "/generate", b"{}", HEADERS)
+        untrusting.close()
+    finally:
+        server.close()
 
 
 def test_origins_keep_the_port_the_prefix_and_bracket_ipv6() -> None:
