@@ -16,7 +16,7 @@ import math
 import os
 import select
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 
 ACCESS_LOGGER = "hetroute.access"
@@ -42,9 +42,7 @@ class AccessRecord:
     error: str | None = None
 
 
-_FIELDS = tuple(f.name for f in fields(AccessRecord))
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps(separators=...) builds one per call
-_TIMES = ("ttft_s", "itl_s", "duration_s")  # rounded to the µs
 
 
 def _text(value: str | None) -> str:
@@ -74,15 +72,6 @@ def record_line(r: AccessRecord) -> str:
         f'"prompt_tokens":{_count(r.prompt_tokens)},"completion_tokens":{_count(r.completion_tokens)},'
         f'"policy":{_text(r.policy)},"reason":{_text(r.reason)},"error":{_text(r.error)}}}'
     )
-
-
-def record_line_reference(r: AccessRecord) -> str:
-    """The encoder's own line for ``r`` (:func:`record_line`'s specification; tests compare them)."""
-    data = {name: getattr(r, name) for name in _FIELDS}
-    for key in _TIMES:
-        if data[key] is not None:
-            data[key] = round(data[key], 6)
-    return _ENCODE(data)
 
 
 LineSink = Callable[[str], object]

@@ -41,6 +41,8 @@ MAX_CHUNK_LINE_BYTES = 4096
 """A chunk-size line (with extensions) longer than this is a protocol error."""
 
 _HEX_DIGITS = b"0123456789abcdefABCDEF"
+_NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+"""A response's headers until its head arrived (read-only, so one is shared)."""
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_CLOSE, _DONE = range(8)
 
 
@@ -114,7 +116,7 @@ class UpstreamResponse:
         self._eof = False
         self._head_future = head_future
         self.status = 0
-        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+        self.headers: CIMultiDictProxy[str] = _NO_HEADERS
 
     async def readany(self) -> bytes:
         """The body bytes that arrived since the last call, waiting for some; ``b""`` at the end."""

@@ -5,8 +5,22 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import fields
 
-from hetroute.access_log import AccessRecord, record_line, record_line_reference
+from hetroute.access_log import AccessRecord, record_line
+
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def record_line_reference(r: AccessRecord) -> str:
+    """The specification of :func:`record_line`: the encoder's line for the record's fields in
+    declaration order, times rounded to the µs."""
+    data = {f.name: getattr(r, f.name) for f in fields(AccessRecord)}
+    for key in ("ttft_s", "itl_s", "duration_s"):
+        if data[key] is not None:
+            data[key] = round(data[key], 6)
+    return _ENCODE(data)
+
 
 TEXTS = ["", "plain", 'quote " and \\ backslash', "tab\tnewline\ncontrol\x01", "ünïcödé 日本 🚀", "\ud800"]
 TIMES = [None, 0.0, 1e-7, 0.0052841234, 12345.6789012, 3.0, math.inf, -math.inf, math.nan, 1e300]
