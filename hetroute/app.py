@@ -54,7 +54,13 @@ from hetroute.config import ComponentConfig, Config
 from hetroute.learning.build import build_live_models
 from hetroute.learning.live import LiveModels
 from hetroute.learning.state import load_saved
-from hetroute.lifecycle import background_tasks, client_session, close_admission, learning_loop
+from hetroute.lifecycle import (
+    background_tasks,
+    client_session,
+    close_admission,
+    held_records,
+    learning_loop,
+)
 from hetroute.peer_channel import PeerChannel
 from hetroute.policies import PolicyContext, build_policy
 from hetroute.policies.backend_model import BackendModels
@@ -339,6 +345,7 @@ def _register(app: web.Application, c: _Cluster, forwarder: Forwarder, worker: i
             app[SAVE_DIR] = cfg.learning.state_dir
     if worker is not None:
         app.on_response_prepare.append(_worker_header(worker))
+    app.cleanup_ctx.append(held_records)
     app.cleanup_ctx.append(client_session)
     app.cleanup_ctx.append(background_tasks)
 

@@ -1,6 +1,6 @@
-"""An app's lifecycle (aiohttp ``cleanup_ctx`` and ``on_cleanup``): the upstream sessions, then the
-background tasks (per-backend probes and scrapes, DNS discovery, the learning loop, the peer channel's
-socket and send loop), which are
+"""An app's lifecycle (aiohttp ``cleanup_ctx`` and ``on_cleanup``): the flushes of what the metrics
+and the access log hold, the upstream sessions, then the background tasks (per-backend probes and
+scrapes, DNS discovery, the learning loop, the peer channel's socket and send loop), which are
 cancelled and awaited before the sessions close, and the learned models saved at the end."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from aiohttp import web
 from hetroute.app_keys import (
     ADMISSION,
     CONFIG,
+    FORWARDER,
     HEALTH,
     LEARNER,
     MEMBERSHIP,
@@ -21,6 +22,7 @@ from hetroute.app_keys import (
     PEERS,
     ROUTER,
     SAVE_DIR,
+    TELEMETRY,
     UPSTREAM,
 )
 from hetroute.backends.dns import DnsDiscovery, dns_loop, make_resolver
@@ -33,12 +35,37 @@ from hetroute.routing.router import Router
 
 log = logging.getLogger("hetroute.app")
 
+FLUSH_INTERVAL_S = 0.25
+"""How often the metrics and the access log take in the finished requests they hold (at most this
+late, plus a scrape's own flush: ``/metrics`` is exact at every exposition)."""
+
 
 async def client_session(app: web.Application) -> AsyncIterator[None]:
     upstream = app[UPSTREAM]
     upstream.open()
     yield
     await upstream.close()
+
+
+async def held_records(app: web.Application) -> AsyncIterator[None]:
+    """Every ``FLUSH_INTERVAL_S``, and once at the end (after the requests drained), apply what the
+    metrics and the access log hold of finished requests (they batch it, telemetry.py, access_log.py)."""
+    telemetry, access_log = app[TELEMETRY], app[FORWARDER].access_log
+
+    def flush() -> None:
+        telemetry.flush()
+        access_log.flush()
+
+    async def every(interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            flush()
+
+    task = asyncio.create_task(every(FLUSH_INTERVAL_S))
+    yield
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    flush()
 
 
 async def close_admission(app: web.Application) -> None:

@@ -13,7 +13,7 @@ from functools import partial
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from hetroute.learning.live import LiveModels
@@ -24,6 +24,25 @@ from hetroute.types import FloatArray
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 _DECISION_BUCKETS_S = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)
+TELEMETRY_BATCH = 64
+"""Finished requests (and decisions) held before they are applied to the metrics together."""
+
+_HeldRequest = tuple[str, str, str, int, str, float, float | None, float | None, int, int]
+
+
+class _FlushFirst:
+    """A collector without metrics, registered before all others: collecting the registry (which goes
+    through its collectors in registration order) first applies what :class:`Telemetry` holds."""
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        self._flush = flush
+
+    def collect(self) -> list[Metric]:
+        self._flush()
+        return []
+
+    def describe(self) -> list[Metric]:
+        return []
 
 
 class Telemetry:
@@ -31,6 +50,10 @@ class Telemetry:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        # First in the registry: any collection (``/metrics``, a test's) applies the held records first.
+        registry.register(_FlushFirst(self.flush))
+        self._held_requests: list[_HeldRequest] = []
+        self._held_decisions: list[tuple[str, float]] = []
         r = registry
         self.requests = Counter(
             "hetroute_requests",
@@ -223,7 +246,11 @@ class Telemetry:
         self._child(self._peer_datagrams, (result,)).inc()
 
     def on_decision(self, policy: str, backend: str, elapsed_s: float) -> None:
-        self._child(self.decision, (policy,)).observe(elapsed_s)
+        """One routing decision took ``elapsed_s`` (held, like :meth:`observe_request`)."""
+        held = self._held_decisions
+        held.append((policy, elapsed_s))
+        if len(held) >= TELEMETRY_BATCH:
+            self.flush()
 
     def retry(self, backend: str, reason: str) -> None:
         self._child(self.retries, (backend, reason)).inc()
@@ -238,6 +265,41 @@ class Telemetry:
     def observe_request(
         self,
         *,
+        backend: str,
+        model: str,
+        api: str,
+        status: int,
+        policy: str,
+        duration_s: float,
+        ttft_s: float | None,
+        itl_s: float | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> None:
+        """A finished client request. Held and applied to the metrics in order, in batches: when
+        ``TELEMETRY_BATCH`` are held, before every exposition (so ``/metrics`` is always exact) and
+        whenever :meth:`flush` is called."""
+        held = self._held_requests
+        held.append(
+            (backend, model, api, status, policy, duration_s, ttft_s, itl_s, prompt_tokens, completion_tokens)
+        )
+        if len(held) >= TELEMETRY_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply the held requests and decisions to the metrics."""
+        if self._held_requests:
+            held, self._held_requests = self._held_requests, []
+            for request in held:
+                self._observe_request(*request)
+        if self._held_decisions:
+            decisions, self._held_decisions = self._held_decisions, []
+            child = self._child
+            for policy, elapsed_s in decisions:
+                child(self.decision, (policy,)).observe(elapsed_s)
+
+    def _observe_request(
+        self,
         backend: str,
         model: str,
         api: str,

@@ -39,13 +39,15 @@ log = logging.getLogger(__name__)
 DRIFT_WINDOW = 32
 """Observations whose median residual decides a drift."""
 ERROR_WINDOW = 256
+"""Recent out-of-sample e2e errors kept per backend (``recent_e2e_errors``)."""
+OBSERVE_BATCH = 64
+"""Observations queued by :meth:`LiveModels.observe` before they are taken in at once."""
 PEER_MIN_SAMPLES = 16
 """A backend with fewer fitted observations than this publishes the model of its best-learned peer
 (:meth:`LiveModels.refit`), if it has one."""
 PEER_KINDS = frozenset({"profile", "roofline"})
 """Prior kinds that say two backends are the same hardware when their priors are equal (a neutral
 default says nothing about the hardware, so equal neutral priors do not make peers)."""
-"""Recent out-of-sample e2e errors kept per backend (``recent_e2e_errors``)."""
 _ERROR_EWMA = 0.05
 _LIVE_REL_STDERR = 0.5
 
@@ -112,6 +114,7 @@ class LiveModels:
         params = np.array(start, dtype=np.float64).reshape(len(priors), 8)
         params.flags.writeable = False
         self.params: FloatArray = params
+        self._queued: list[Observation] = []
         self.samples: FloatArray = self._samples()
 
     def set_slot(
@@ -125,6 +128,7 @@ class LiveModels:
     ) -> None:
         """Slot ``i`` holds backend ``name``, learned from nothing but ``prior`` (one past the last: grow;
         live backend changes). Published arrays are replaced whole, as :meth:`refit` does."""
+        self._take_queued()
         cfg = self.config
         fresh = _Backend(
             prior, deque(maxlen=cfg.window), deque(maxlen=DRIFT_WINDOW), deque(maxlen=ERROR_WINDOW)
@@ -153,7 +157,27 @@ class LiveModels:
     # ------------------------------------------------------------ the request path
 
     def observe(self, obs: Observation) -> None:
-        """Record one successful request (its out-of-sample error first, then the drift check)."""
+        """Record one successful request. It is queued, and taken in (its out-of-sample error, then the
+        drift check) before anything reads or changes the models: at the next :meth:`refit`,
+        :meth:`set_capacities` or :meth:`set_slot`, a read of the errors or counts, or once
+        ``OBSERVE_BATCH`` are queued. The published parameters change only in those calls, so each
+        observation is judged against the same model as if it were taken in at once; done in a batch,
+        it costs the request path a fraction of the CPU (docs/performance.md)."""
+        queued = self._queued
+        queued.append(obs)
+        if len(queued) >= OBSERVE_BATCH:
+            self._take_queued()
+
+    def _take_queued(self) -> None:
+        """Take in the queued observations, oldest first."""
+        if not self._queued:
+            return
+        queued, self._queued = self._queued, []
+        for obs in queued:
+            self._take(obs)
+
+    def _take(self, obs: Observation) -> None:
+        """One observation: its out-of-sample error first, then the drift check."""
         b = self._b[obs.backend_index]
         i = obs.backend_index
         cap, seqs = float(self._caps[i]), float(self._max_seqs[i])
@@ -209,11 +233,13 @@ class LiveModels:
 
     def set_capacities(self, capacities_tokens: FloatArray) -> None:
         """The KV capacities to use (NaN: keep the fallback), e.g. from the latest snapshot."""
+        self._take_queued()
         caps = np.where(np.isfinite(capacities_tokens), capacities_tokens, self._fallback_caps)
         self._caps = np.asarray(caps, dtype=np.float64)
 
     def refit(self, now_s: float) -> int:
         """Refit every backend with new observations; publish new arrays. Returns how many changed."""
+        self._take_queued()
         changed = 0
         params = self.params.copy()
         for i, b in enumerate(self._b):
@@ -299,26 +325,37 @@ class LiveModels:
 
     def e2e_error(self, i: int) -> float:
         """EWMA of |predicted / observed e2e − 1| over requests the model had not yet seen (NaN: none)."""
+        self._take_queued()
         return self._b[i].error_ewma
 
     def drifts(self, i: int) -> int:
         """Drifts detected on backend ``i`` since start."""
+        self._take_queued()
         return self._b[i].drifts
 
     def drift_times_s(self, i: int) -> tuple[float, ...]:
         """When each drift of backend ``i`` was detected (clock seconds)."""
+        self._take_queued()
         return tuple(self._b[i].drift_times_s)
 
     def recent_e2e_errors(self, i: int) -> tuple[float, ...]:
         """|predicted / observed e2e − 1| of backend ``i``'s last requests, each predicted before the
         model was fitted on it (oldest first, at most ``ERROR_WINDOW``)."""
+        self._take_queued()
         return tuple(self._b[i].errors)
 
     def observed_total(self, i: int) -> int:
+        self._take_queued()
         return self._b[i].observed_total
+
+    def observations(self, i: int) -> tuple[Observation, ...]:
+        """Backend ``i``'s observations in the learning window (oldest first), queued ones included."""
+        self._take_queued()
+        return tuple(self._b[i].observations)
 
     def describe(self, i: int) -> dict[str, object]:
         """The learned model of backend ``i`` as plain data (``/admin/backends``)."""
+        self._take_queued()
         b = self._b[i]
         fit = b.fit
         params = [float(v) for v in self.params[i]]

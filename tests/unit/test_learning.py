@@ -310,6 +310,28 @@ def test_a_two_fold_slow_down_is_detected_as_drift_and_relearned() -> None:
     assert _step(tuple(live.params[0]), 16, 500) == pytest.approx(_step(slow, 16, 500), rel=0.2)
 
 
+def test_queued_observations_are_taken_in_as_if_one_at_a_time() -> None:
+    """observe() queues; whatever reads or changes the models takes the queue in first, so a learner
+    read after every observation (each taken in at once) and one read only at its refits agree
+    exactly: the same errors, drifts and fitted parameters."""
+    one_at_a_time, queued = _live(LearningConfig(half_life_s=30.0)), _live(LearningConfig(half_life_s=30.0))
+    rng = random.Random(11)
+    stream = synthetic(TRUE, 150, rng) + synthetic(tuple(v * 2.0 for v in TRUE), 150, rng, start_s=20.0)
+    for k, obs in enumerate(stream):
+        one_at_a_time.observe(obs)
+        assert one_at_a_time.observed_total(0) == k + 1  # a read takes the queue in
+        queued.observe(obs)
+        if k % 50 == 49:
+            one_at_a_time.refit(obs.finished_at_s)
+            queued.refit(obs.finished_at_s)
+    assert queued.drifts(0) == one_at_a_time.drifts(0) >= 1
+    assert queued.drift_times_s(0) == one_at_a_time.drift_times_s(0)
+    assert queued.recent_e2e_errors(0) == one_at_a_time.recent_e2e_errors(0)
+    assert queued.observations(0) == one_at_a_time.observations(0)
+    assert np.array_equal(queued.params, one_at_a_time.params)
+    assert queued.describe(0) == one_at_a_time.describe(0)
+
+
 def test_stationary_traffic_raises_no_drift() -> None:
     live = _live()
     for k, obs in enumerate(synthetic(TRUE, 600, random.Random(8))):

@@ -101,7 +101,7 @@ def test_complete_feeds_the_learner_and_a_burst_stream_counts_as_e2e_only() -> N
         clock.advance(decode_s)
         router.complete(ticket, 10, input_tokens=120, streamed=streamed)
         router.release(ticket)
-    obs = list(learner._b[0].observations)
+    obs = learner.observations(0)
     assert [o.ttft_s is not None for o in obs] == [True, False, False]  # burst and non-stream: e2e only
     assert obs[0].ttft_s == pytest.approx(0.1) and obs[0].input_tokens == 120 and obs[0].output_tokens == 10
     assert learner.observed_total(0) == 3 and router.ledger.is_zero()

@@ -1,0 +1,140 @@
+"""What a finished request leaves behind (its metrics, its access-log line, its learning observation)
+is held and applied in batches, off the request's own path: nothing is lost or reordered, a
+``/metrics`` scrape or any collection of the registry is exact, and the held lines reach the sink
+within ``FLUSH_INTERVAL_S`` and at shutdown."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import aiohttp
+import pytest
+from prometheus_client import CollectorRegistry
+
+from hetroute.access_log import ACCESS_BATCH, ACCESS_LOGGER, AccessLog, AccessRecord
+from hetroute.app import build_app, start_app
+from hetroute.config import config_from_dict
+from hetroute.lifecycle import FLUSH_INTERVAL_S
+from hetroute.telemetry import TELEMETRY_BATCH, Telemetry
+from tests.conftest import MODEL, EmulateFn, backend_entry, eventually
+
+
+def _record(k: int) -> AccessRecord:
+    return AccessRecord(f"r{k}", "openai", "/v1/completions", model=MODEL, backend="b", status=200)
+
+
+def test_a_sink_gets_the_held_lines_in_order_at_a_full_batch_or_a_flush() -> None:
+    lines: list[str] = []
+    log = AccessLog(lines.append)
+    for k in range(ACCESS_BATCH - 1):
+        log.write(_record(k))
+    assert lines == []  # held
+    log.write(_record(ACCESS_BATCH - 1))
+    assert [json.loads(x)["request_id"] for x in lines] == [f"r{k}" for k in range(ACCESS_BATCH)]
+    assert all(x.endswith("}\n") and x.count("\n") == 1 for x in lines)
+    log.write(_record(999))
+    log.flush()
+    log.flush()  # nothing held: nothing written twice
+    assert len(lines) == ACCESS_BATCH + 1 and json.loads(lines[-1])["request_id"] == "r999"
+
+
+def test_without_a_sink_lines_go_to_the_logger_at_once_and_disabled_writes_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    AccessLog().write(_record(1))
+    assert [json.loads(r.getMessage())["request_id"] for r in caplog.records] == ["r1"]
+    lines: list[str] = []
+    off = AccessLog(lines.append, enabled=False)
+    off.write(_record(2))
+    off.flush()
+    assert lines == []
+
+
+def test_any_collection_of_the_registry_sees_every_held_request_and_decision() -> None:
+    registry = CollectorRegistry()
+    telemetry = Telemetry(registry)
+    n = TELEMETRY_BATCH + 5  # one batch applied on its own, five still held
+    for k in range(n):
+        telemetry.observe_request(
+            backend="b",
+            model=MODEL,
+            api="openai",
+            status=200 if k % 2 else 503,
+            policy="p",
+            duration_s=0.01,
+            ttft_s=0.005,
+            itl_s=None,
+            prompt_tokens=3,
+            completion_tokens=2,
+        )
+        telemetry.on_decision("p", "b", 2e-5)
+    ok = registry.get_sample_value(
+        "hetroute_requests_total",
+        {"backend": "b", "model": MODEL, "api": "openai", "status": "200", "policy": "p"},
+    )
+    assert ok == n // 2
+    assert registry.get_sample_value("hetroute_tokens_total", {"backend": "b", "kind": "prompt"}) == 3 * n
+    assert registry.get_sample_value("hetroute_routing_decision_seconds_count", {"policy": "p"}) == n
+    assert registry.get_sample_value("hetroute_ttft_seconds_count", {"backend": "b", "model": MODEL}) == n
+
+
+async def test_a_gateways_lines_reach_its_sink_soon_and_at_shutdown(emulate: EmulateFn) -> None:
+    emu = await emulate("vllm")
+    cfg = config_from_dict(
+        {
+            "backends": [backend_entry(emu)],
+            "policy": {"type": "round_robin"},
+            "server": {"shutdown_grace_s": 1.0},
+            "health": {"probe_interval_s": 60.0},
+        },
+        env={},
+    )
+    lines: list[str] = []
+    app = build_app(cfg, registry=CollectorRegistry(), access_sink=lines.append)
+    runner, port = await start_app(app)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            for k in range(3):
+                body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+                async with s.post(url + "/v1/completions", json=body, headers={"x-request-id": f"q{k}"}) as r:
+                    assert r.status == 200
+            # within the flush interval (with room for a slow machine), in order
+            assert await eventually(lambda: len(lines) == 3, timeout_s=10 * FLUSH_INTERVAL_S + 2.0)
+            assert [json.loads(x)["request_id"] for x in lines] == ["q0", "q1", "q2"]
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+            async with s.post(url + "/v1/completions", json=body, headers={"x-request-id": "last"}) as r:
+                assert r.status == 200
+    finally:
+        await runner.cleanup()
+    # the line held at shutdown is written by the cleanup, not lost
+    assert [json.loads(x)["request_id"] for x in lines][-1] == "last" and len(lines) == 4
+
+
+async def test_metrics_are_exact_right_after_the_requests(emulate: EmulateFn) -> None:
+    emu = await emulate("vllm")
+    cfg = config_from_dict(
+        {
+            "backends": [backend_entry(emu)],
+            "policy": {"type": "round_robin"},
+            "health": {"probe_interval_s": 60.0},
+        },
+        env={},
+    )
+    app = build_app(cfg, registry=CollectorRegistry(), access_sink=lambda _line: None)
+    runner, port = await start_app(app)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(5):
+                async with s.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x"}) as r:
+                    assert r.status == 200
+            async with s.get(url + "/metrics") as r:
+                text = await r.text()
+    finally:
+        await runner.cleanup()
+    (line,) = [x for x in text.splitlines() if x.startswith("hetroute_requests_total{")]
+    assert line.endswith(" 5.0"), line
+    assert 'hetroute_routing_decision_seconds_count{policy="round_robin"} 5.0' in text
