@@ -149,6 +149,34 @@ def choose_scalar(
     )
 
 
+def choose_forced(
+    policy: MinMaxSettings, features: RequestFeatures, snap: ClusterSnapshot, candidates: IntArray
+) -> RoutingDecision | None:
+    """The decision when ``candidates`` holds a single backend, or None when the general path must
+    decide (several candidates, or the ``engine``/``max`` KV signals).
+
+    The one candidate is chosen whatever its score, and neither the tie-break nor exploration draws
+    from the RNG with one candidate, so only the cost it is charged is computed: w_r^c, the value
+    :func:`choose_scalar` and the array path charge, bit for bit (their T and kvusage, without the
+    latency floor, the cache weight's saving and the min-max score, which only rank candidates).
+    Its reason says "only candidate" and its scores omit ``minmax_load``."""
+    if candidates.size != 1 or policy.kv_signal not in ("ledger", "paper"):
+        return None
+    cand: list[int] = candidates.tolist()
+    cached = _cached(policy, snap, cand, snap.workload.tolist())
+    t_list, u_list, w_list, _, _ = _costs(policy, features, snap, candidates, cand, cached, [], ranking=False)
+    cost = w_list[0]
+    if not math.isfinite(cost):  # pragma: no cover - guarded by MAX_EXPONENT; never charge ∞
+        cost = float(np.finfo(np.float64).max) / 4
+    t, u = t_list[0], u_list[0]
+    return RoutingDecision(
+        index=cand[0],
+        reason=f"only candidate: T={t:.4g}s kvusage={u:.3f} w={cost:.4g}",
+        workload_cost=cost,
+        scores={"T_s": t, "kv_usage": u, "w": cost},
+    )
+
+
 def _costs(
     policy: MinMaxSettings,
     features: RequestFeatures,
@@ -157,10 +185,13 @@ def _costs(
     cand: list[int],
     cached: list[float] | None,
     n_req: list[int],
+    *,
+    ranking: bool = True,
 ) -> tuple[list[float], list[float], list[float], list[float], list[float] | None]:
     """Per candidate: T_r^s, kvusage, the cost w = T·e^(θ·kvusage), (with the latency floor) the
     request's own predicted latency and (with a ``cache_weight`` ≠ 1 and some cache credit) the part of
-    w the cached tokens save, in the array path's operation order (Eq. 5-6, method.md §5)."""
+    w the cached tokens save, in the array path's operation order (Eq. 5-6, method.md §5). Without
+    ``ranking`` only T, kvusage and w (the latency and saving lists come back empty and None)."""
     models = policy.models
     caps_snap = snap.kv_capacity_tokens.tolist()
     fallback = models.fallback_capacity_tokens
@@ -175,7 +206,7 @@ def _costs(
     else:
         pred = snap.predicted_output_tokens_in_flight.tolist()
         kv = [in_fl[c] + pred[c] for c in cand]
-    pending = snap.prefill_pending_tokens.tolist() if policy.prefill_queue else None
+    pending = snap.prefill_pending_tokens.tolist() if policy.prefill_queue and ranking else None
     input_tokens, output_tokens = features.input_tokens, features.predicted_output_tokens
     i = float(input_tokens)
     o = float(output_tokens)
@@ -190,8 +221,13 @@ def _costs(
     theta, overflow_only, unit_time = policy.theta, policy.overflow_only, policy.unit_time
     full_batch = policy.batch_kv == "full"
     weighted = (
-        cached is not None and policy.cache_weight != 1.0 and not unit_time and any(x > 0.0 for x in cached)
+        ranking
+        and cached is not None
+        and policy.cache_weight != 1.0
+        and not unit_time
+        and any(x > 0.0 for x in cached)
     )
+    latency_floor = ranking and policy.latency_floor
     saved_t: list[float] = []
     t_list: list[float] = []
     u_list: list[float] = []
@@ -217,7 +253,7 @@ def _costs(
         t_list.append(t_c)
         u_list.append(u_c)
         x_list.append(min(theta * g, MAX_EXPONENT))
-        if policy.latency_floor:
+        if latency_floor:
             n = float(n_req[c])
             mean_context = (in_fl[c] + gen[c] + input_tokens) / (n + 1.0)
             iul = il if cached is None else max(il - cached[k], 0.0)

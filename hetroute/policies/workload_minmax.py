@@ -55,6 +55,7 @@ from hetroute.policies.minmax_scalar import (
     PREFIX_BALANCE_ABS_S,
     PREFIX_BALANCE_REL,
     SCALAR_MAX_BACKENDS,
+    choose_forced,
     choose_scalar,
 )
 from hetroute.types import ClusterSnapshot, FloatArray, IntArray, RequestFeatures, RoutingDecision
@@ -260,8 +261,13 @@ class MinMaxPolicy:
     def choose(
         self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray
     ) -> RoutingDecision:
-        """The min-max choice: in scalar Python for a small fleet (:mod:`.minmax_scalar`, the same
-        decision bit for bit), else over arrays (:meth:`choose_vectorised`)."""
+        """The min-max choice: with one candidate only its cost (``choose_forced``); in scalar Python
+        for a small fleet (:mod:`.minmax_scalar`, the same decision bit for bit), else over arrays
+        (:meth:`choose_vectorised`)."""
+        if candidates.size == 1:
+            forced = choose_forced(self, features, snapshot, candidates)
+            if forced is not None:
+                return forced
         if snapshot.workload.size <= SCALAR_MAX_BACKENDS:
             decision = choose_scalar(self, self._rng, features, snapshot, candidates)
             if decision is not None:

@@ -158,6 +158,33 @@ def test_scalar_decision_equals_the_array_decision(block: int) -> None:
         _decide(rng)
 
 
+def test_one_candidate_is_charged_what_the_full_decision_charges() -> None:
+    """``choose_forced`` (one candidate) charges exactly the array path's w, picks the same backend and
+    leaves the RNG where the full decision leaves it."""
+    rng = random.Random(2024)
+    for _ in range(CASES // 4):
+        n = rng.randint(1, SCALAR_MAX_BACKENDS)
+        backends = _fleet(rng, n)
+        models = BackendModels(backends)
+        snap = _snapshot(rng, backends, models)
+        kwargs = _policy_kwargs(rng)
+        seed = rng.randrange(1 << 30)
+        forced = MinMaxPolicy("p", models, random.Random(seed), **kwargs)
+        arrays = MinMaxPolicy("p", models, random.Random(seed), **kwargs)
+        candidates = np.array([rng.randrange(n)], dtype=np.int64)
+        features = RequestFeatures(
+            "r", "m", "openai", rng.choice([0, 1, 37, 900, 20_000]), None, rng.choice([1, 16, 300, 4000])
+        )
+        a = forced.choose(features, snap, candidates)
+        b = arrays.choose_vectorised(features, snap, candidates)
+        assert a.reason.startswith("only candidate") and "minmax_load" not in a.scores
+        assert (a.index, a.workload_cost) == (b.index, b.workload_cost), (kwargs, snap, features)
+        assert {k: a.scores[k] for k in ("T_s", "kv_usage", "w")} == {
+            k: b.scores[k] for k in ("T_s", "kv_usage", "w")
+        }
+        assert forced._rng.getstate() == arrays._rng.getstate()
+
+
 def test_choose_uses_the_scalar_path_only_for_small_fleets_and_ledger_or_paper_signals() -> None:
     rng = random.Random(7)
     backends = _fleet(rng, 3)
