@@ -104,9 +104,7 @@ def choose_scalar(
     loads: list[float] = snap.workload.tolist()
     cached = _cached(policy, snap, cand, loads)
     n_req = snap.requests_in_flight.tolist()
-    t_list, u_list, w_list, lat_list, saved_list = _costs(
-        policy, features, snap, candidates, cand, cached, n_req
-    )
+    t_list, u_list, w_list, lat_list, saved_list = _costs(policy, features, snap, cand, cached, n_req)
     own = [loads[c] + w for c, w in zip(cand, w_list, strict=True)]
     rank = own
     if saved_list is not None:
@@ -164,7 +162,7 @@ def choose_forced(
         return None
     cand: list[int] = candidates.tolist()
     cached = _cached(policy, snap, cand, snap.workload.tolist())
-    t_list, u_list, w_list, _, _ = _costs(policy, features, snap, candidates, cand, cached, [], ranking=False)
+    t_list, u_list, w_list, _, _ = _costs(policy, features, snap, cand, cached, [], ranking=False)
     cost = w_list[0]
     if not math.isfinite(cost):  # pragma: no cover - guarded by MAX_EXPONENT; never charge ∞
         cost = float(np.finfo(np.float64).max) / 4
@@ -181,7 +179,6 @@ def _costs(
     policy: MinMaxSettings,
     features: RequestFeatures,
     snap: ClusterSnapshot,
-    candidates: IntArray,
     cand: list[int],
     cached: list[float] | None,
     n_req: list[int],
@@ -197,7 +194,7 @@ def _costs(
     fallback = models.fallback_capacity_tokens
     seqs = models.max_num_seqs
     params = models.params if snap.latency_params is None else snap.latency_params
-    rows: list[list[float]] = params[candidates].tolist()
+    rows: list[list[float]] = [params[c].tolist() for c in cand]  # cheaper than fancy indexing here
     in_fl = snap.input_tokens_in_flight.tolist()
     gen = snap.generated_tokens_in_flight.tolist()
     if policy.kv_signal == "ledger":
