@@ -28,6 +28,12 @@ processes, and with N > 1 worker k is pinned to core k mod (cores) (N processes 
 core meaningfully), so the proxy no longer runs alone; the default output is then
 ``overhead_w<N>.json``.
 
+``--backends N`` gives hetroute N instant backends (one process each, on the load generator's core)
+instead of one, so that every request is a real choice between backends: with a single backend the
+default policy only computes the cost it charges (``choose_forced``), with several it scores every
+candidate. The direct and bare-proxy measurements still use the first backend; the default output
+is then ``overhead_b<N>.json``.
+
 ``--ceiling`` measures the request ceiling instead: requests/s at concurrency 64 (non-streaming)
 through ``hetroute serve --workers 1`` and ``--workers N`` (default 2), alternating in ``--rounds``
 rounds (medians reported) so that drift in the machine's other load hits both alike. Writes
@@ -471,13 +477,16 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(15)
 
 
-async def main_async(quick: bool, workers: int = 1) -> dict[str, Any]:
+async def main_async(quick: bool, workers: int = 1, backends: int = 1) -> dict[str, Any]:
     cores = sorted(os.sched_getaffinity(0))
     proxy_core, load_core = cores[0], cores[-1]
     os.sched_setaffinity(0, {load_core})
     be_port, bare_port, hr_port = _free_port(), _free_port(), _free_port()
     backend = f"http://127.0.0.1:{be_port}"
     procs = [_spawn([sys.executable, __file__, "--role", "backend", "--port", str(be_port)], load_core)]
+    extra = [_free_port() for _ in range(backends - 1)]  # --backends N: N instant backends for hetroute
+    for port in extra:
+        procs.append(_spawn([sys.executable, __file__, "--role", "backend", "--port", str(port)], load_core))
     results: dict[str, Any] = {"cores": {"proxy": proxy_core, "load_generator_and_backend": load_core}}
     try:
         await _wait_up(backend)
@@ -492,12 +501,16 @@ async def main_async(quick: bool, workers: int = 1) -> dict[str, Any]:
         bare.terminate()
         bare.wait(10)
         quick_start = ["--backend", backend, "--port", str(hr_port)]
+        for port in extra:
+            await _wait_up(f"http://127.0.0.1:{port}")
+            quick_start += ["--backend", f"http://127.0.0.1:{port}"]
         hr, pids = await _start_hetroute(
             quick_start, hr_port, workers, [proxy_core] if workers == 1 else cores
         )
         procs.append(hr)
         results["hetroute"] = await _measure(f"http://127.0.0.1:{hr_port}", pids, quick)
         results["hetroute"]["workers"] = workers
+        results["hetroute"]["backends"] = backends
     finally:
         for p in procs:
             p.terminate()
@@ -787,6 +800,12 @@ def main() -> int:
     ap.add_argument(
         "--workers", type=int, default=None, help="hetroute serve --workers N (see the docstring)"
     )
+    ap.add_argument(
+        "--backends",
+        type=int,
+        default=1,
+        help="hetroute serve with N instant backends (a real choice per request; see the docstring)",
+    )
     ap.add_argument("--ceiling", action="store_true", help="requests/s at concurrency 64, 1 worker vs N")
     ap.add_argument("--rounds", type=int, default=3, help="--ceiling: windows per worker count")
     ap.add_argument("--harness", default="raw,aiohttp", help="--ceiling: raw and/or aiohttp")
@@ -795,6 +814,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.runs < 1:
         ap.error("--runs must be at least 1")
+    if args.backends < 1:
+        ap.error("--backends must be at least 1")
     if args.role == "backend":
         run_backend(args.port)
         return 0
@@ -823,7 +844,7 @@ def main() -> int:
     runs: list[dict[str, Any]] = []
     for k in range(args.runs):
         load_before = os.getloadavg()
-        res = asyncio.run(main_async(args.quick, workers))
+        res = asyncio.run(main_async(args.quick, workers, args.backends))
         summary = summarise(res)
         print(f"run {k + 1} of {args.runs}:")
         print_table(res, summary)
@@ -838,6 +859,8 @@ def main() -> int:
     med = medians(runs)
     print(f"medians over {args.runs} run(s):", json.dumps(med, indent=1))
     default = "overhead.json" if workers == 1 else f"overhead_w{workers}.json"
+    if args.backends > 1:
+        default = default.replace(".json", f"_b{args.backends}.json")
     out = Path(args.out or HERE / "results" / default)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python", "benchmarks/overhead.py", *sys.argv[1:]])
