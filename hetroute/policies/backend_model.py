@@ -216,6 +216,8 @@ class BackendModels:
         neutral = float(np.median(known)) if known.size else NEUTRAL_KV_CAPACITY_TOKENS
         self.neutral_capacity_tokens = neutral
         self.fallback_capacity_tokens: FloatArray = np.where(np.isfinite(static), static, neutral)
+        for array in (self.params, self.max_num_seqs, self.fallback_capacity_tokens):
+            array.flags.writeable = False  # replaced whole (with_slot, adopt), never changed in place
 
     def with_slot(self, i: int, spec: BackendSpec) -> BackendModels:
         """A copy with ``spec`` resolved into slot ``i`` (one past the last: one more slot), sharing this

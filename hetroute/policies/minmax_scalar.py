@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -36,8 +36,34 @@ candidate's by more than this (relative) and :data:`PREFIX_BALANCE_ABS_S` (``Min
 PREFIX_BALANCE_ABS_S = 2.0
 
 
+class ListCache:
+    """Plain-list copies (``tolist``) of the arrays the decision reads whole every time but that change
+    only now and then (latency parameters at a refit, KV capacities at a scrape, the backends' static
+    limits at a membership change). Those arrays are replaced whole, never changed in place, so an
+    array object seen before has the same values: its list is reused. An array that can still be
+    written to is converted every time (nothing promises it stays the same)."""
+
+    __slots__ = ("_arrays",)
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, tuple[np.ndarray[Any, Any], list[Any]]] = {}
+
+    def get(self, key: str, array: np.ndarray[Any, Any]) -> list[Any]:
+        """``array.tolist()``, reused while ``key`` names the same read-only array object."""
+        held = self._arrays.get(key)
+        if held is not None and held[0] is array:
+            return held[1]
+        out: list[Any] = array.tolist()
+        if not array.flags.writeable:
+            self._arrays[key] = (array, out)
+        return out
+
+
 class MinMaxSettings(Protocol):
     """What the decision reads of a :class:`~hetroute.policies.workload_minmax.MinMaxPolicy`."""
+
+    @property
+    def lists(self) -> ListCache: ...
 
     @property
     def models(self) -> BackendModels: ...
@@ -189,12 +215,13 @@ def _costs(
     request's own predicted latency and (with a ``cache_weight`` ≠ 1 and some cache credit) the part of
     w the cached tokens save, in the array path's operation order (Eq. 5-6, method.md §5). Without
     ``ranking`` only T, kvusage and w (the latency and saving lists come back empty and None)."""
-    models = policy.models
-    caps_snap = snap.kv_capacity_tokens.tolist()
-    fallback = models.fallback_capacity_tokens
-    seqs = models.max_num_seqs
+    models, lists = policy.models, policy.lists
+    caps_snap: list[float] = lists.get("caps", snap.kv_capacity_tokens)
+    fallback: list[float] = lists.get("fallback", models.fallback_capacity_tokens)
+    seqs: list[float] = lists.get("seqs", models.max_num_seqs)
     params = models.params if snap.latency_params is None else snap.latency_params
-    rows: list[list[float]] = [params[c].tolist() for c in cand]  # cheaper than fancy indexing here
+    all_rows: list[list[float]] = lists.get("params", params)
+    rows = [all_rows[c] for c in cand]
     in_fl = snap.input_tokens_in_flight.tolist()
     gen = snap.generated_tokens_in_flight.tolist()
     if policy.kv_signal == "ledger":
@@ -232,9 +259,9 @@ def _costs(
     lat_list: list[float] = []
     for k, c in enumerate(cand):
         cap_c = caps_snap[c]
-        cap_c = max(cap_c if math.isfinite(cap_c) else float(fallback[c]), 1.0)
+        cap_c = max(cap_c if math.isfinite(cap_c) else fallback[c], 1.0)
         p1, p2, p3, p4, p5, p6, p7, p8 = rows[k]
-        seq_c = float(seqs[c])
+        seq_c = seqs[c]
         iu = ia if cached is None else max(ia - cached[k], 0.0)
         if unit_time:
             t_c = 1.0
@@ -311,7 +338,7 @@ def _explore(
         or features.predicted_output_tokens > policy.explore_max_output_tokens
     ):
         return None
-    per = samples.tolist()
+    per: list[float] = policy.lists.get("samples", samples)
     counts = [float(per[c]) if n_req[c] == 0 else math.inf for c in cand]
     low = min(counts)
     k = counts.index(low)

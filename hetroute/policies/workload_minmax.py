@@ -55,6 +55,7 @@ from hetroute.policies.minmax_scalar import (
     PREFIX_BALANCE_ABS_S,
     PREFIX_BALANCE_REL,
     SCALAR_MAX_BACKENDS,
+    ListCache,
     choose_forced,
     choose_scalar,
 )
@@ -176,6 +177,7 @@ class MinMaxPolicy:
         self.kv_signal = kv_signal
         self.batch_kv = batch_kv
         self.overflow_only = overflow_only
+        self.lists = ListCache()  # the scalar path's list copies of rarely replaced arrays
         self._rng = rng
 
     def costs(
