@@ -34,6 +34,9 @@ PREFIX_BALANCE_REL = 0.5
 """Prefix balance guard: no cache credit on a candidate whose drain time exceeds the least loaded
 candidate's by more than this (relative) and :data:`PREFIX_BALANCE_ABS_S` (``MinMaxPolicy._cached``)."""
 PREFIX_BALANCE_ABS_S = 2.0
+ONLY_CANDIDATE = "only candidate"
+"""The reason of a decision with a single candidate (:func:`choose_forced`); T, kvusage and w are in its
+scores."""
 
 
 class ListCache:
@@ -183,7 +186,8 @@ def choose_forced(
     from the RNG with one candidate, so only the cost it is charged is computed: w_r^c, the value
     :func:`choose_scalar` and the array path charge, bit for bit (their T and kvusage, without the
     latency floor, the cache weight's saving and the min-max score, which only rank candidates).
-    Its reason says "only candidate" and its scores omit ``minmax_load``."""
+    Its reason is :data:`ONLY_CANDIDATE` (no numbers: formatting them cost the request path more than
+    the rest of this function) and its scores omit ``minmax_load``."""
     if candidates.size != 1 or policy.kv_signal not in ("ledger", "paper"):
         return None
     cand: list[int] = candidates.tolist()
@@ -194,10 +198,7 @@ def choose_forced(
         cost = float(np.finfo(np.float64).max) / 4
     t, u = t_list[0], u_list[0]
     return RoutingDecision(
-        index=cand[0],
-        reason=f"only candidate: T={t:.4g}s kvusage={u:.3f} w={cost:.4g}",
-        workload_cost=cost,
-        scores={"T_s": t, "kv_usage": u, "w": cost},
+        index=cand[0], reason=ONLY_CANDIDATE, workload_cost=cost, scores={"T_s": t, "kv_usage": u, "w": cost}
     )
 
 

@@ -63,6 +63,8 @@ FOREIGN_MODES: tuple[ForeignMode, ...] = ("off", "raw", "scaled", "scaled_excess
 DEFAULT_FOREIGN_MODE: ForeignMode = "scaled_excess"
 DISPATCH_EWMA = 0.1
 """Weight of the latest dispatch in the per-backend request profile used while nothing is in flight."""
+_PROFILE_ROWS = (INPUT_ROW, REMAINING_ROW, PREDICTED_ROW, WORKLOAD_ROW)
+"""The ledger rows a backend's request profile keeps (generated tokens and pending prefill stay 0)."""
 
 
 class ForeignLoad:
@@ -77,6 +79,7 @@ class ForeignLoad:
         "_waiting_share",
         "_seen",
         "_profile",
+        "_columns",
         "_any",
         "_live_key",
         "_live",
@@ -93,8 +96,11 @@ class ForeignLoad:
         self._own_at_scrape: FloatArray = np.zeros(backends, dtype=np.float64)
         self._waiting_share: FloatArray = np.zeros(backends, dtype=np.float64)
         self._seen: list[EngineMetrics | None] = [None] * backends
-        self._profile: FloatArray = np.zeros((FLOAT_ROWS, backends), dtype=np.float64)
-        """Rows as the ledger's; a column of zeros until the first dispatch to that backend."""
+        self._columns: list[list[float]] = [[0.0] * len(_PROFILE_ROWS) for _ in range(backends)]
+        """Per backend, the request profile's ``_PROFILE_ROWS`` in plain floats (cheap to update per
+        dispatch); zeros until the first dispatch to that backend."""
+        self._profile: FloatArray | None = None
+        """The profile as the ledger's rows, built from ``_columns`` when read after a change."""
         self._any = False
         self._live_key: tuple[EngineMetrics | None, ...] | None = None
         self._live: tuple[FloatArray, FloatArray, float] = (self._counts, self._own_at_scrape, 0.0)
@@ -106,11 +112,12 @@ class ForeignLoad:
             self._own_at_scrape = np.append(self._own_at_scrape, 0.0)
             self._waiting_share = np.append(self._waiting_share, 0.0)
             self._seen.append(None)
-            self._profile = np.hstack([self._profile, np.zeros((FLOAT_ROWS, 1), dtype=np.float64)])
+            self._columns.append([0.0] * len(_PROFILE_ROWS))
         else:
             self._counts[backend] = self._own_at_scrape[backend] = self._waiting_share[backend] = 0.0
             self._seen[backend] = None
-            self._profile[:, backend] = 0.0
+            self._columns[backend] = [0.0] * len(_PROFILE_ROWS)
+        self._profile = None
         self._any = self.mode != "off" and bool(self._counts.any())
         self._live_key = None
 
@@ -135,16 +142,24 @@ class ForeignLoad:
         self, backend: int, input_tokens: float, predicted_output_tokens: float, workload_s: float
     ) -> None:
         """Fold a dispatch into ``backend``'s request profile (used while nothing is in flight there)."""
-        p = self._profile
-        rate = DISPATCH_EWMA if p[INPUT_ROW, backend] > 0.0 else 1.0  # the first dispatch sets it
-        for row, value in (
-            (INPUT_ROW, input_tokens),
-            (REMAINING_ROW, predicted_output_tokens),
-            (PREDICTED_ROW, predicted_output_tokens),
-            (WORKLOAD_ROW, workload_s),
+        col = self._columns[backend]
+        rate = DISPATCH_EWMA if col[0] > 0.0 else 1.0  # the first dispatch sets it
+        for k, value in enumerate(
+            (input_tokens, predicted_output_tokens, predicted_output_tokens, workload_s)
         ):
-            old = float(p[row, backend])
-            p[row, backend] = old + rate * (value - old)
+            old = col[k]
+            col[k] = old + rate * (value - old)
+        self._profile = None
+
+    def _profile_rows(self) -> FloatArray:
+        """The request profile as a FLOAT_ROWS × backends array (rows as the ledger's)."""
+        profile = self._profile
+        if profile is None:
+            profile = np.zeros((FLOAT_ROWS, len(self._columns)), dtype=np.float64)
+            if self._columns:
+                profile[list(_PROFILE_ROWS)] = np.array(self._columns, dtype=np.float64).T
+            self._profile = profile
+        return profile
 
     def counts(self, metrics: tuple[EngineMetrics | None, ...], own_now: IntArray) -> FloatArray | None:
         """Foreign requests per backend under the latest ``metrics`` (None when there are none).
@@ -179,7 +194,7 @@ class ForeignLoad:
     ) -> tuple[IntArray, FloatArray]:
         """The ledger's snapshot arrays with ``counts`` foreign requests added (read-only copies)."""
         own = requests.astype(np.float64)
-        mean: FloatArray = np.where(own > 0, floats / np.maximum(own, 1.0), self._profile)
+        mean: FloatArray = np.where(own > 0, floats / np.maximum(own, 1.0), self._profile_rows())
         extra = mean * counts
         extra[PENDING_ROW] = counts * self._waiting_share * mean[INPUT_ROW]
         out_floats: FloatArray = floats + extra
