@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -60,6 +61,18 @@ class Ticket:
     ``prefill_pending_tokens`` still counts the whole prompt (docs/prefix.md, "The cost model")."""
 
 
+class _Items(Protocol):
+    """Item access to a 1-D array through a memoryview: plain Python numbers in and out."""
+
+    def __getitem__(self, i: int, /) -> float: ...
+    def __setitem__(self, i: int, value: float, /) -> None: ...
+
+
+def _items(array: FloatArray | IntArray) -> _Items:
+    """A memoryview of the C-contiguous 1-D ``array`` (writes go to the array)."""
+    return cast(_Items, memoryview(cast(Any, array)))
+
+
 FLOAT_ROWS = 6
 """Rows of the ledger's float counters (``Ledger.snapshot_arrays``), in this order:"""
 INPUT_ROW, REMAINING_ROW, GENERATED_ROW, PREDICTED_ROW, WORKLOAD_ROW, PENDING_ROW = range(FLOAT_ROWS)
@@ -87,6 +100,14 @@ class Ledger:
         self.predicted_output_tokens_in_flight: FloatArray = self._floats[PREDICTED_ROW]
         self.workload: FloatArray = self._floats[WORKLOAD_ROW]
         self.prefill_pending_tokens: FloatArray = self._floats[PENDING_ROW]
+        # The request path updates single counters through memoryviews of the same arrays: an item
+        # read or write there is a plain Python int or float, about half the cost of indexing numpy
+        # (the same float64 arithmetic). Rebound whenever an array is replaced (set_slot).
+        self._rows = tuple(_items(row) for row in self._floats)
+        self._requests = _items(self.requests_in_flight)
+        self._dispatched = _items(self.dispatched_total)
+        self._released = _items(self.released_total)
+        self._uncached = _items(self.prefill_pending_uncached_tokens)
 
     def set_slot(self, index: int, name: str) -> None:
         """Give slot ``index`` to backend ``name`` with empty accounting (live backend changes,
@@ -147,15 +168,17 @@ class Ledger:
         prefill (the rest is expected in the engine's prefix cache); it is recorded on the ticket."""
         i = backend_index
         prefill = input_tokens if prefill_tokens is None else max(0, min(prefill_tokens, input_tokens))
-        ahead = float(self.prefill_pending_uncached_tokens[i])
-        self.requests_in_flight[i] += 1
-        self.input_tokens_in_flight[i] += input_tokens
-        self.remaining_predicted_tokens[i] += predicted_output_tokens
-        self.predicted_output_tokens_in_flight[i] += predicted_output_tokens
-        self.workload[i] += workload_cost
-        self.prefill_pending_tokens[i] += input_tokens
-        self.prefill_pending_uncached_tokens[i] += prefill
-        self.dispatched_total[i] += 1
+        uncached = self._uncached
+        ahead = float(uncached[i])
+        inp, rem, _, pred, work, pend = self._rows
+        self._requests[i] += 1
+        inp[i] += input_tokens
+        rem[i] += predicted_output_tokens
+        pred[i] += predicted_output_tokens
+        work[i] += workload_cost
+        pend[i] += input_tokens
+        uncached[i] += prefill
+        self._dispatched[i] += 1
         self._in_flight += 1
         return Ticket(
             request_id=request_id,
@@ -180,11 +203,11 @@ class Ledger:
         if ticket.first_token_at_s is None and not ticket.released:
             i = ticket.backend_index
             ticket.first_token_at_s = now_s
-            self.prefill_pending_tokens[i] -= ticket.input_tokens
-            self.prefill_pending_uncached_tokens[i] -= ticket.prefill_tokens
-            ticket.in_flight_at_first = float(self.requests_in_flight[i])
-            context = self.input_tokens_in_flight[i] + self.generated_tokens_in_flight[i]
-            ticket.context_at_first = float(context)
+            rows = self._rows
+            rows[PENDING_ROW][i] -= ticket.input_tokens
+            self._uncached[i] -= ticket.prefill_tokens
+            ticket.in_flight_at_first = float(self._requests[i])
+            ticket.context_at_first = float(rows[INPUT_ROW][i] + rows[GENERATED_ROW][i])
 
     def observe_generated(self, ticket: Ticket, generated_tokens: int) -> None:
         """Replace predicted tokens with observed ones: ``generated_tokens`` is cumulative.
@@ -196,8 +219,9 @@ class Ledger:
         i = ticket.backend_index
         old_remaining = max(ticket.predicted_output_tokens - ticket.generated_tokens, 0)
         new_remaining = max(ticket.predicted_output_tokens - generated_tokens, 0)
-        self.generated_tokens_in_flight[i] += generated_tokens - ticket.generated_tokens
-        self.remaining_predicted_tokens[i] += new_remaining - old_remaining
+        rows = self._rows
+        rows[GENERATED_ROW][i] += generated_tokens - ticket.generated_tokens
+        rows[REMAINING_ROW][i] += new_remaining - old_remaining
         ticket.generated_tokens = generated_tokens
 
     def release(self, ticket: Ticket, now_s: float) -> bool:
@@ -207,21 +231,23 @@ class Ledger:
         ticket.released = True
         ticket.released_at_s = now_s
         i = ticket.backend_index
-        self.requests_in_flight[i] -= 1
-        self.input_tokens_in_flight[i] -= ticket.input_tokens
-        self.remaining_predicted_tokens[i] -= max(ticket.predicted_output_tokens - ticket.generated_tokens, 0)
-        self.generated_tokens_in_flight[i] -= ticket.generated_tokens
-        self.predicted_output_tokens_in_flight[i] -= ticket.predicted_output_tokens
-        self.workload[i] -= ticket.workload_cost
+        inp, rem, gen, pred, work, pend = self._rows
+        requests = self._requests
+        requests[i] -= 1
+        inp[i] -= ticket.input_tokens
+        rem[i] -= max(ticket.predicted_output_tokens - ticket.generated_tokens, 0)
+        gen[i] -= ticket.generated_tokens
+        pred[i] -= ticket.predicted_output_tokens
+        work[i] -= ticket.workload_cost
         if ticket.first_token_at_s is None:
-            self.prefill_pending_tokens[i] -= ticket.input_tokens
-            self.prefill_pending_uncached_tokens[i] -= ticket.prefill_tokens
-        self.released_total[i] += 1
+            pend[i] -= ticket.input_tokens
+            self._uncached[i] -= ticket.prefill_tokens
+        self._released[i] += 1
         self._in_flight -= 1
-        if self.requests_in_flight[i] == 0:
+        if requests[i] == 0:
             # Token counters are integral sums and return to 0 exactly; the float load may
             # carry rounding error, so reset it when the backend is empty.
-            self.workload[i] = 0.0
+            work[i] = 0.0
         return True
 
     def in_flight(self) -> int:
