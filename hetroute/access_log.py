@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 
+from hetroute.deferred import run_soon
+
 ACCESS_LOGGER = "hetroute.access"
 
 
@@ -88,7 +90,9 @@ class AccessLog:
     ``hetroute serve`` passes a buffered stdout writer (flushed periodically by the serve
     command): the ``logging`` machinery costs tens of µs per line, a large share of the
     router's per-request budget. With a sink, records are held and written out in order, in
-    batches: when ``ACCESS_BATCH`` are held and whenever :meth:`flush` is called (the app does every
+    batches: once ``ACCESS_BATCH`` are held (after the current event-loop step, so that the request
+    that filled the batch does not wait for it: :func:`~hetroute.deferred.run_soon`) and whenever
+    :meth:`flush` is called (the app does every
     ``FLUSH_INTERVAL_S`` and at shutdown): encoding a batch in one go costs less CPU than a line
     at a time amid the request path (docs/performance.md). A crash loses at most what is held.
     Without a sink, lines go to the ``hetroute.access`` logger at INFO, at once. Disabled means no
@@ -110,8 +114,8 @@ class AccessLog:
             return
         held = self._held
         held.append(record)
-        if len(held) >= ACCESS_BATCH:
-            self.flush()
+        if len(held) == ACCESS_BATCH:  # once per batch: the flush takes everything held by then
+            run_soon(self.flush)
 
     def flush(self) -> None:
         """Write out the held records, oldest first."""

@@ -16,6 +16,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from hetroute.deferred import run_soon
 from hetroute.learning.live import LiveModels
 from hetroute.prefix.state import PrefixState
 from hetroute.routing.peers import PeerView
@@ -249,8 +250,8 @@ class Telemetry:
         """One routing decision took ``elapsed_s`` (held, like :meth:`observe_request`)."""
         held = self._held_decisions
         held.append((policy, elapsed_s))
-        if len(held) >= TELEMETRY_BATCH:
-            self.flush()
+        if len(held) == TELEMETRY_BATCH:  # once per batch, after the current event-loop step
+            run_soon(self.flush)
 
     def retry(self, backend: str, reason: str) -> None:
         self._child(self.retries, (backend, reason)).inc()
@@ -276,15 +277,16 @@ class Telemetry:
         prompt_tokens: int,
         completion_tokens: int,
     ) -> None:
-        """A finished client request. Held and applied to the metrics in order, in batches: when
-        ``TELEMETRY_BATCH`` are held, before every exposition (so ``/metrics`` is always exact) and
+        """A finished client request. Held and applied to the metrics in order, in batches: once
+        ``TELEMETRY_BATCH`` are held (after the current event-loop step, :func:`~hetroute.deferred.run_soon`),
+        before every exposition (so ``/metrics`` is always exact) and
         whenever :meth:`flush` is called."""
         held = self._held_requests
         held.append(
             (backend, model, api, status, policy, duration_s, ttft_s, itl_s, prompt_tokens, completion_tokens)
         )
-        if len(held) >= TELEMETRY_BATCH:
-            self.flush()
+        if len(held) == TELEMETRY_BATCH:  # once per batch, after the current event-loop step
+            run_soon(self.flush)
 
     def flush(self) -> None:
         """Apply the held requests and decisions to the metrics."""

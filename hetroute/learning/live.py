@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hetroute.deferred import run_soon
 from hetroute.latency import PARAM_NAMES
 from hetroute.learning.fit import FitResult, FitSettings, RowCache, fit_backend, predict_e2e_s, predict_tpot_s
 from hetroute.learning.observation import Observation
@@ -160,13 +161,14 @@ class LiveModels:
         """Record one successful request. It is queued, and taken in (its out-of-sample error, then the
         drift check) before anything reads or changes the models: at the next :meth:`refit`,
         :meth:`set_capacities` or :meth:`set_slot`, a read of the errors or counts, or once
-        ``OBSERVE_BATCH`` are queued. The published parameters change only in those calls, so each
+        ``OBSERVE_BATCH`` are queued (after the current event-loop step, or at once without a running loop:
+        :func:`~hetroute.deferred.run_soon`). The published parameters change only in those calls, so each
         observation is judged against the same model as if it were taken in at once; done in a batch,
         it costs the request path a fraction of the CPU (docs/performance.md)."""
         queued = self._queued
         queued.append(obs)
-        if len(queued) >= OBSERVE_BATCH:
-            self._take_queued()
+        if len(queued) == OBSERVE_BATCH:  # once per batch, after the current event-loop step
+            run_soon(self._take_queued)
 
     def _take_queued(self) -> None:
         """Take in the queued observations, oldest first."""

@@ -5,6 +5,7 @@ within ``FLUSH_INTERVAL_S`` and at shutdown."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -37,6 +38,29 @@ def test_a_sink_gets_the_held_lines_in_order_at_a_full_batch_or_a_flush() -> Non
     log.flush()
     log.flush()  # nothing held: nothing written twice
     assert len(lines) == ACCESS_BATCH + 1 and json.loads(lines[-1])["request_id"] == "r999"
+
+
+async def test_in_a_running_loop_a_full_batch_is_written_after_the_current_step() -> None:
+    """The request that fills a batch does not wait for it: the batch goes out once the event loop
+    has finished the current step (its response is written by then)."""
+    lines: list[str] = []
+    log = AccessLog(lines.append)
+    for k in range(ACCESS_BATCH + 3):
+        log.write(_record(k))
+    assert lines == []  # scheduled, not written inline
+    await asyncio.sleep(0)
+    assert [json.loads(x)["request_id"] for x in lines] == [f"r{k}" for k in range(ACCESS_BATCH + 3)]
+    registry = CollectorRegistry()
+    telemetry = Telemetry(registry)
+    for _ in range(TELEMETRY_BATCH):
+        telemetry.on_decision("p", "b", 1e-5)
+    assert telemetry._held_decisions  # held until the loop runs the flush
+    await asyncio.sleep(0)
+    assert not telemetry._held_decisions
+    assert (
+        registry.get_sample_value("hetroute_routing_decision_seconds_count", {"policy": "p"})
+        == TELEMETRY_BATCH
+    )
 
 
 def test_without_a_sink_lines_go_to_the_logger_at_once_and_disabled_writes_nothing(
