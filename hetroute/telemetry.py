@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric
@@ -28,7 +28,20 @@ _DECISION_BUCKETS_S = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3,
 TELEMETRY_BATCH = 64
 """Finished requests (and decisions) held before they are applied to the metrics together."""
 
-_HeldRequest = tuple[str, str, str, int, str, float, float | None, float | None, int, int]
+
+class RequestOutcome(NamedTuple):
+    """What the metrics record of a finished client request (``Telemetry.observe_request``)."""
+
+    backend: str
+    model: str
+    api: str
+    status: int
+    policy: str
+    duration_s: float
+    ttft_s: float | None
+    itl_s: float | None
+    prompt_tokens: int
+    completion_tokens: int
 
 
 class _FlushFirst:
@@ -53,7 +66,7 @@ class Telemetry:
         self.registry = registry
         # First in the registry: any collection (``/metrics``, a test's) applies the held records first.
         registry.register(_FlushFirst(self.flush))
-        self._held_requests: list[_HeldRequest] = []
+        self._held_requests: list[RequestOutcome] = []
         self._held_decisions: list[tuple[str, float]] = []
         r = registry
         self.requests = Counter(
@@ -263,28 +276,13 @@ class Telemetry:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def observe_request(
-        self,
-        *,
-        backend: str,
-        model: str,
-        api: str,
-        status: int,
-        policy: str,
-        duration_s: float,
-        ttft_s: float | None,
-        itl_s: float | None,
-        prompt_tokens: int,
-        completion_tokens: int,
-    ) -> None:
+    def observe_request(self, outcome: RequestOutcome) -> None:
         """A finished client request. Held and applied to the metrics in order, in batches: once
-        ``TELEMETRY_BATCH`` are held (after the current event-loop step, :func:`~hetroute.deferred.run_soon`),
-        before every exposition (so ``/metrics`` is always exact) and
-        whenever :meth:`flush` is called."""
+        ``TELEMETRY_BATCH`` are held (after the current event-loop step,
+        :func:`~hetroute.deferred.run_soon`), before every exposition (so ``/metrics`` is always exact)
+        and whenever :meth:`flush` is called."""
         held = self._held_requests
-        held.append(
-            (backend, model, api, status, policy, duration_s, ttft_s, itl_s, prompt_tokens, completion_tokens)
-        )
+        held.append(outcome)
         if len(held) == TELEMETRY_BATCH:  # once per batch, after the current event-loop step
             run_soon(self.flush)
 
@@ -292,38 +290,26 @@ class Telemetry:
         """Apply the held requests and decisions to the metrics."""
         if self._held_requests:
             held, self._held_requests = self._held_requests, []
-            for request in held:
-                self._observe_request(*request)
+            for outcome in held:
+                self._observe_request(outcome)
         if self._held_decisions:
             decisions, self._held_decisions = self._held_decisions, []
             child = self._child
             for policy, elapsed_s in decisions:
                 child(self.decision, (policy,)).observe(elapsed_s)
 
-    def _observe_request(
-        self,
-        backend: str,
-        model: str,
-        api: str,
-        status: int,
-        policy: str,
-        duration_s: float,
-        ttft_s: float | None,
-        itl_s: float | None,
-        prompt_tokens: int,
-        completion_tokens: int,
-    ) -> None:
+    def _observe_request(self, o: RequestOutcome) -> None:
         child = self._child
-        child(self.requests, (backend, model, api, str(status), policy)).inc()
-        child(self.duration, (backend, api)).observe(duration_s)
-        if ttft_s is not None:
-            child(self.ttft, (backend, model)).observe(ttft_s)
-        if itl_s is not None:
-            child(self.itl, (backend,)).observe(itl_s)
-        if prompt_tokens:
-            child(self.tokens, (backend, "prompt")).inc(prompt_tokens)
-        if completion_tokens:
-            child(self.tokens, (backend, "completion")).inc(completion_tokens)
+        child(self.requests, (o.backend, o.model, o.api, str(o.status), o.policy)).inc()
+        child(self.duration, (o.backend, o.api)).observe(o.duration_s)
+        if o.ttft_s is not None:
+            child(self.ttft, (o.backend, o.model)).observe(o.ttft_s)
+        if o.itl_s is not None:
+            child(self.itl, (o.backend,)).observe(o.itl_s)
+        if o.prompt_tokens:
+            child(self.tokens, (o.backend, "prompt")).inc(o.prompt_tokens)
+        if o.completion_tokens:
+            child(self.tokens, (o.backend, "completion")).inc(o.completion_tokens)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.registry)

@@ -55,7 +55,7 @@ from hetroute.proxy.usage import usage_of
 from hetroute.proxy.watchdog import Watchdog, Watchdogs
 from hetroute.routing.ledger import Ticket
 from hetroute.routing.router import Router
-from hetroute.telemetry import Telemetry
+from hetroute.telemetry import RequestOutcome, Telemetry
 from hetroute.types import Clock, OutputLengthPredictor, RequestFeatures
 
 
@@ -217,16 +217,18 @@ class Forwarder:
 
     def _finish(self, rec: AccessRecord) -> None:
         self.telemetry.observe_request(
-            backend=rec.backend or "none",
-            model=rec.model or "",
-            api=rec.api,
-            status=rec.status,
-            policy=rec.policy or "",
-            duration_s=rec.duration_s,
-            ttft_s=rec.ttft_s if rec.stream else None,
-            itl_s=rec.itl_s,
-            prompt_tokens=rec.prompt_tokens or 0,
-            completion_tokens=rec.completion_tokens or 0,
+            RequestOutcome(
+                rec.backend or "none",
+                rec.model or "",
+                rec.api,
+                rec.status,
+                rec.policy or "",
+                rec.duration_s,
+                rec.ttft_s if rec.stream else None,
+                rec.itl_s,
+                rec.prompt_tokens or 0,
+                rec.completion_tokens or 0,
+            )
         )
         self.access_log.write(rec)
 

@@ -17,7 +17,7 @@ from hetroute.access_log import ACCESS_BATCH, ACCESS_LOGGER, AccessLog, AccessRe
 from hetroute.app import build_app, start_app
 from hetroute.config import config_from_dict
 from hetroute.lifecycle import FLUSH_INTERVAL_S
-from hetroute.telemetry import TELEMETRY_BATCH, Telemetry
+from hetroute.telemetry import TELEMETRY_BATCH, RequestOutcome, Telemetry
 from tests.conftest import MODEL, EmulateFn, backend_entry, eventually
 
 
@@ -82,16 +82,7 @@ def test_any_collection_of_the_registry_sees_every_held_request_and_decision() -
     n = TELEMETRY_BATCH + 5  # one batch applied on its own, five still held
     for k in range(n):
         telemetry.observe_request(
-            backend="b",
-            model=MODEL,
-            api="openai",
-            status=200 if k % 2 else 503,
-            policy="p",
-            duration_s=0.01,
-            ttft_s=0.005,
-            itl_s=None,
-            prompt_tokens=3,
-            completion_tokens=2,
+            RequestOutcome("b", MODEL, "openai", 200 if k % 2 else 503, "p", 0.01, 0.005, None, 3, 2)
         )
         telemetry.on_decision("p", "b", 2e-5)
     ok = registry.get_sample_value(

@@ -20,7 +20,7 @@ from hetroute.latency import EngineLimits, LatencyParams, LatencyProfile
 from hetroute.policies.backend_model import BackendModels
 from hetroute.policies.minmax_scalar import SCALAR_MAX_BACKENDS, choose_scalar
 from hetroute.policies.workload_minmax import MinMaxPolicy
-from hetroute.types import BackendSpec, ClusterSnapshot, RequestFeatures
+from hetroute.types import BackendSpec, ClusterSnapshot, IntArray, RequestFeatures
 
 CASES = 6000
 
@@ -120,20 +120,29 @@ def _policy_kwargs(rng: random.Random) -> dict[str, Any]:
     }
 
 
-def _decide(rng: random.Random) -> None:
+def _case(
+    rng: random.Random, *, one: bool
+) -> tuple[MinMaxPolicy, MinMaxPolicy, ClusterSnapshot, IntArray, RequestFeatures, dict[str, Any]]:
+    """A random fleet, snapshot and policy (two instances with the same seed), candidates (``one``: a
+    single one) and request."""
     n = rng.randint(1, SCALAR_MAX_BACKENDS)
     backends = _fleet(rng, n)
     models = BackendModels(backends)
     snap = _snapshot(rng, backends, models)
     kwargs = _policy_kwargs(rng)
     seed = rng.randrange(1 << 30)
-    scalar = MinMaxPolicy("p", models, random.Random(seed), **kwargs)
-    arrays = MinMaxPolicy("p", models, random.Random(seed), **kwargs)
-    chosen = sorted(rng.sample(range(n), rng.randint(1, n)))
-    candidates = np.array(chosen, dtype=np.int64)
+    first = MinMaxPolicy("p", models, random.Random(seed), **kwargs)
+    second = MinMaxPolicy("p", models, random.Random(seed), **kwargs)
+    chosen = [rng.randrange(n)] if one else sorted(rng.sample(range(n), rng.randint(1, n)))
     features = RequestFeatures(
         "r", "m", "openai", rng.choice([0, 1, 37, 900, 20_000]), None, rng.choice([1, 16, 300, 4000])
     )
+    return first, second, snap, np.array(chosen, dtype=np.int64), features, kwargs
+
+
+def _decide(rng: random.Random) -> None:
+    scalar, arrays, snap, candidates, features, kwargs = _case(rng, one=False)
+    chosen = candidates.tolist()
     a = choose_scalar(scalar, scalar._rng, features, snap, candidates)
     b = arrays.choose_vectorised(features, snap, candidates)
     assert a is not None
@@ -163,18 +172,7 @@ def test_one_candidate_is_charged_what_the_full_decision_charges() -> None:
     leaves the RNG where the full decision leaves it."""
     rng = random.Random(2024)
     for _ in range(CASES // 4):
-        n = rng.randint(1, SCALAR_MAX_BACKENDS)
-        backends = _fleet(rng, n)
-        models = BackendModels(backends)
-        snap = _snapshot(rng, backends, models)
-        kwargs = _policy_kwargs(rng)
-        seed = rng.randrange(1 << 30)
-        forced = MinMaxPolicy("p", models, random.Random(seed), **kwargs)
-        arrays = MinMaxPolicy("p", models, random.Random(seed), **kwargs)
-        candidates = np.array([rng.randrange(n)], dtype=np.int64)
-        features = RequestFeatures(
-            "r", "m", "openai", rng.choice([0, 1, 37, 900, 20_000]), None, rng.choice([1, 16, 300, 4000])
-        )
+        forced, arrays, snap, candidates, features, kwargs = _case(rng, one=True)
         a = forced.choose(features, snap, candidates)
         b = arrays.choose_vectorised(features, snap, candidates)
         assert a.reason.startswith("only candidate") and "minmax_load" not in a.scores
