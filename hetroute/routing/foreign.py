@@ -55,6 +55,7 @@ from hetroute.routing.ledger import (
     PREDICTED_ROW,
     REMAINING_ROW,
     WORKLOAD_ROW,
+    item_view,
 )
 from hetroute.types import EngineMetrics, FloatArray, IntArray
 
@@ -64,7 +65,7 @@ DEFAULT_FOREIGN_MODE: ForeignMode = "scaled_excess"
 DISPATCH_EWMA = 0.1
 """Weight of the latest dispatch in the per-backend request profile used while nothing is in flight."""
 _PROFILE_ROWS = (INPUT_ROW, REMAINING_ROW, PREDICTED_ROW, WORKLOAD_ROW)
-"""The ledger rows a backend's request profile keeps (generated tokens and pending prefill stay 0)."""
+"""The ledger rows a backend's request profile follows (generated tokens and pending prefill stay 0)."""
 
 
 class ForeignLoad:
@@ -79,7 +80,7 @@ class ForeignLoad:
         "_waiting_share",
         "_seen",
         "_profile",
-        "_columns",
+        "_profile_items",
         "_any",
         "_live_key",
         "_live",
@@ -96,11 +97,9 @@ class ForeignLoad:
         self._own_at_scrape: FloatArray = np.zeros(backends, dtype=np.float64)
         self._waiting_share: FloatArray = np.zeros(backends, dtype=np.float64)
         self._seen: list[EngineMetrics | None] = [None] * backends
-        self._columns: list[list[float]] = [[0.0] * len(_PROFILE_ROWS) for _ in range(backends)]
-        """Per backend, the request profile's ``_PROFILE_ROWS`` in plain floats (cheap to update per
-        dispatch); zeros until the first dispatch to that backend."""
-        self._profile: FloatArray | None = None
-        """The profile as the ledger's rows, built from ``_columns`` when read after a change."""
+        self._profile: FloatArray = np.zeros((FLOAT_ROWS, backends), dtype=np.float64)
+        """Rows as the ledger's; a column of zeros until the first dispatch to that backend."""
+        self._bind_profile()
         self._any = False
         self._live_key: tuple[EngineMetrics | None, ...] | None = None
         self._live: tuple[FloatArray, FloatArray, float] = (self._counts, self._own_at_scrape, 0.0)
@@ -112,12 +111,12 @@ class ForeignLoad:
             self._own_at_scrape = np.append(self._own_at_scrape, 0.0)
             self._waiting_share = np.append(self._waiting_share, 0.0)
             self._seen.append(None)
-            self._columns.append([0.0] * len(_PROFILE_ROWS))
+            self._profile = np.hstack([self._profile, np.zeros((FLOAT_ROWS, 1), dtype=np.float64)])
+            self._bind_profile()
         else:
             self._counts[backend] = self._own_at_scrape[backend] = self._waiting_share[backend] = 0.0
             self._seen[backend] = None
-            self._columns[backend] = [0.0] * len(_PROFILE_ROWS)
-        self._profile = None
+            self._profile[:, backend] = 0.0
         self._any = self.mode != "off" and bool(self._counts.any())
         self._live_key = None
 
@@ -142,24 +141,18 @@ class ForeignLoad:
         self, backend: int, input_tokens: float, predicted_output_tokens: float, workload_s: float
     ) -> None:
         """Fold a dispatch into ``backend``'s request profile (used while nothing is in flight there)."""
-        col = self._columns[backend]
-        rate = DISPATCH_EWMA if col[0] > 0.0 else 1.0  # the first dispatch sets it
-        for k, value in enumerate(
-            (input_tokens, predicted_output_tokens, predicted_output_tokens, workload_s)
+        rows = self._profile_items
+        rate = DISPATCH_EWMA if rows[0][backend] > 0.0 else 1.0  # the first dispatch sets it
+        for row, value in zip(
+            rows, (input_tokens, predicted_output_tokens, predicted_output_tokens, workload_s), strict=True
         ):
-            old = col[k]
-            col[k] = old + rate * (value - old)
-        self._profile = None
+            old = row[backend]
+            row[backend] = old + rate * (value - old)
 
-    def _profile_rows(self) -> FloatArray:
-        """The request profile as a FLOAT_ROWS × backends array (rows as the ledger's)."""
-        profile = self._profile
-        if profile is None:
-            profile = np.zeros((FLOAT_ROWS, len(self._columns)), dtype=np.float64)
-            if self._columns:
-                profile[list(_PROFILE_ROWS)] = np.array(self._columns, dtype=np.float64).T
-            self._profile = profile
-        return profile
+    def _bind_profile(self) -> None:
+        """Item views of the profile's ``_PROFILE_ROWS`` (plain floats per dispatch, the same arithmetic
+        as numpy's), rebound whenever the array is replaced."""
+        self._profile_items = tuple(item_view(self._profile[row]) for row in _PROFILE_ROWS)
 
     def counts(self, metrics: tuple[EngineMetrics | None, ...], own_now: IntArray) -> FloatArray | None:
         """Foreign requests per backend under the latest ``metrics`` (None when there are none).
@@ -194,7 +187,7 @@ class ForeignLoad:
     ) -> tuple[IntArray, FloatArray]:
         """The ledger's snapshot arrays with ``counts`` foreign requests added (read-only copies)."""
         own = requests.astype(np.float64)
-        mean: FloatArray = np.where(own > 0, floats / np.maximum(own, 1.0), self._profile_rows())
+        mean: FloatArray = np.where(own > 0, floats / np.maximum(own, 1.0), self._profile)
         extra = mean * counts
         extra[PENDING_ROW] = counts * self._waiting_share * mean[INPUT_ROW]
         out_floats: FloatArray = floats + extra

@@ -61,16 +61,16 @@ class Ticket:
     ``prefill_pending_tokens`` still counts the whole prompt (docs/prefix.md, "The cost model")."""
 
 
-class _Items(Protocol):
+class ItemView(Protocol):
     """Item access to a 1-D array through a memoryview: plain Python numbers in and out."""
 
     def __getitem__(self, i: int, /) -> float: ...
     def __setitem__(self, i: int, value: float, /) -> None: ...
 
 
-def _items(array: FloatArray | IntArray) -> _Items:
+def item_view(array: FloatArray | IntArray) -> ItemView:
     """A memoryview of the C-contiguous 1-D ``array`` (writes go to the array)."""
-    return cast(_Items, memoryview(cast(Any, array)))
+    return cast(ItemView, memoryview(cast(Any, array)))
 
 
 FLOAT_ROWS = 6
@@ -103,11 +103,11 @@ class Ledger:
         # The request path updates single counters through memoryviews of the same arrays: an item
         # read or write there is a plain Python int or float, about half the cost of indexing numpy
         # (the same float64 arithmetic). Rebound whenever an array is replaced (set_slot).
-        self._rows = tuple(_items(row) for row in self._floats)
-        self._requests = _items(self.requests_in_flight)
-        self._dispatched = _items(self.dispatched_total)
-        self._released = _items(self.released_total)
-        self._uncached = _items(self.prefill_pending_uncached_tokens)
+        self._rows = tuple(item_view(row) for row in self._floats)
+        self._requests = item_view(self.requests_in_flight)
+        self._dispatched = item_view(self.dispatched_total)
+        self._released = item_view(self.released_total)
+        self._uncached = item_view(self.prefill_pending_uncached_tokens)
 
     def set_slot(self, index: int, name: str) -> None:
         """Give slot ``index`` to backend ``name`` with empty accounting (live backend changes,
