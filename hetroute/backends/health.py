@@ -22,6 +22,7 @@ Time comes from the injected clock, so the state machine is tested with a Manual
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -69,6 +70,10 @@ class HealthTracker:
         self._on_eject = on_eject
         now = clock.now()
         self.states = [BackendHealth(healthy_since_s=now) for _ in names]
+        self._available: tuple[bool, ...] | None = None
+        """The last :meth:`available_all`, reused until a probe, a failure, a slot change or the end of
+        its first ejection (``_available_until_s``, +inf when none)."""
+        self._available_until_s = math.inf
 
     def set_slot(self, i: int, name: str) -> None:
         """Slot ``i`` holds backend ``name`` with a fresh record, available until heard otherwise, as at
@@ -82,12 +87,14 @@ class HealthTracker:
             self.states[i] = fresh
             names[i] = name
         self.names = tuple(names)
+        self._available = None
 
     def retire(self, i: int) -> None:
         """Backend ``i`` left the cluster: unavailable from now on, and no longer counted."""
         h = self.states[i]
         h.probe_healthy = False
         h.retired = True
+        self._available = None
 
     def is_ejected(self, i: int, now_s: float | None = None) -> bool:
         until = self.states[i].ejected_until_s
@@ -104,18 +111,26 @@ class HealthTracker:
 
     def available_all(self) -> tuple[bool, ...]:
         """:meth:`is_available` of every backend, with one clock read (the router's snapshot: one call
-        per decision instead of one per backend); ends ejections that have run out, as it does."""
+        per decision instead of one per backend); ends ejections that have run out, as it does. The
+        same tuple object is returned until a probe result, a failure, a slot change or the end of
+        its first ejection."""
         now = self.clock.now()
+        held = self._available
+        if held is not None and now < self._available_until_s:
+            return held  # no probe or failure since, and no ejection in it has run out
         out = []
+        first_end = math.inf
         for h in self.states:
             until = h.ejected_until_s
             if until is not None:
                 if now < until:
                     out.append(False)
+                    first_end = min(first_end, until)
                     continue
                 self._end_ejection(h, until)
             out.append(h.probe_healthy)
-        return tuple(out)
+        self._available, self._available_until_s = tuple(out), first_end
+        return self._available
 
     def available_count(self) -> int:
         return sum(1 for i in range(len(self.states)) if self.is_available(i))
@@ -157,6 +172,7 @@ class HealthTracker:
 
     def record_failure(self, i: int, error: str) -> bool:
         """An upstream failure; True when it ejected the backend."""
+        self._available = None
         h = self.states[i]
         now = self.clock.now()
         h.last_error = error
@@ -180,6 +196,7 @@ class HealthTracker:
 
     def record_probe(self, i: int, ok: bool, error: str | None = None) -> None:
         """The result of one active probe."""
+        self._available = None
         h = self.states[i]
         if h.retired:
             return

@@ -36,6 +36,10 @@ class MetricsStore:
         self.stale_after_s = stale_after_s
         self._latest: list[EngineMetrics | None] = [None] * n_backends
         self.errors: list[str | None] = [None] * n_backends
+        self._all: tuple[EngineMetrics | None, ...] | None = None
+        """The last :meth:`latest_all`, reused until a publish, a slot change or its oldest fresh scrape
+        goes stale (``_all_oldest_s``: that scrape's time; None when nothing in it is fresh)."""
+        self._all_oldest_s: float | None = None
 
     def set_slot(self, i: int) -> None:
         """Slot ``i`` holds a new backend with nothing scraped yet (one past the last: grow)."""
@@ -45,10 +49,12 @@ class MetricsStore:
         else:
             self._latest[i] = None
             self.errors[i] = None
+        self._all = None
 
     def publish(self, i: int, metrics: EngineMetrics) -> None:
         self._latest[i] = metrics
         self.errors[i] = None
+        self._all = None
         if self.on_publish is not None:
             self.on_publish(i, metrics)
 
@@ -61,10 +67,18 @@ class MetricsStore:
 
     def latest_all(self) -> tuple[EngineMetrics | None, ...]:
         """:meth:`latest` of every backend, with one clock read (the router's snapshot: one call per
-        decision instead of one per backend)."""
+        decision instead of one per backend). The same tuple object is returned until a publish, a
+        slot change or the first of its scrapes going stale (``now - t`` only grows with ``now`` and
+        falls with ``t``, so the oldest fresh scrape is the first to go stale)."""
         now = self.clock.now()
         stale = self.stale_after_s
-        return tuple([m if m is not None and now - m.scraped_at_s <= stale else None for m in self._latest])
+        held, oldest = self._all, self._all_oldest_s
+        if held is not None and (oldest is None or now - oldest <= stale):
+            return held  # nothing published since, and its oldest fresh scrape is still fresh
+        out = tuple([m if m is not None and now - m.scraped_at_s <= stale else None for m in self._latest])
+        fresh = [m.scraped_at_s for m in out if m is not None]
+        self._all, self._all_oldest_s = out, (min(fresh) if fresh else None)
+        return out
 
     def last_seen(self, i: int) -> EngineMetrics | None:
         """The newest scrape however old (for /admin)."""

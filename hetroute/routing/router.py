@@ -216,7 +216,7 @@ class Router:
             latest = self._latest_metrics
             metrics = tuple([latest(i) for i in backends])
         prefix = self.prefix
-        if metrics != self._caps_key:  # identity of the same objects: no rebuild
+        if metrics is not self._caps_key and metrics != self._caps_key:  # the same scrapes: no rebuild
             self._caps_key, self._caps = metrics, self._capacities(metrics)
             if prefix is not None:
                 prefix.set_capacities(self._caps)
@@ -226,7 +226,7 @@ class Router:
         else:
             is_available = self._is_available
             available = tuple([is_available(i) for i in backends])
-        if available != self._available_key:
+        if available is not self._available_key and available != self._available_key:
             flags: BoolArray = np.array(available, dtype=np.bool_)
             flags.flags.writeable = False
             self._available_key, self._available = available, flags

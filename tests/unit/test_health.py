@@ -156,3 +156,24 @@ def test_available_all_equals_is_available_of_every_backend_through_ejection_and
     both(lambda t, c: c.advance(0.1))  # ejection over
     both(lambda t, c: t.record_probe(2, True))
     assert twin_a.states[1].ejected_until_s is None and twin_b.states[1].ejected_until_s is None
+
+
+def test_available_all_is_one_tuple_until_something_changes() -> None:
+    t, clock, _ = _tracker(3)
+    first = t.available_all()
+    clock.advance(5.0)
+    assert t.available_all() is first  # reused: nothing changed
+    _fail(t, 0, 3)  # ejected for 10 s
+    ejected = t.available_all()
+    assert ejected == (False, True, True)
+    clock.advance(9.9)
+    assert t.available_all() is ejected
+    clock.advance(0.1)  # the ejection ran out: read anew, and ended
+    assert t.available_all() == (True, True, True) and t.states[0].ejected_until_s is None
+    t.retire(2)
+    assert t.available_all() == (True, True, False)
+    t.set_slot(2, "b2-new")
+    assert t.available_all() == (True, True, True)
+    t.record_probe(1, False)
+    t.record_probe(1, False)
+    assert t.available_all() == (True, False, True)
