@@ -193,6 +193,12 @@ async def _run_batch(
                 tg.create_task(stream_request(session, base, p, body, clock, started)) for p, body in bodies
             ]
     except ExceptionGroup as group:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            # Cancelled from outside (Ctrl-C), and a request raised as it was torn down: on Python
+            # 3.11 the TaskGroup then raises that error, not CancelledError. It is still a
+            # cancellation; as a failed batch the sweep would go on with the next one.
+            raise asyncio.CancelledError from group
         first = group.exceptions[0]
         if isinstance(first, RequestFailed | aiohttp.ClientError | TimeoutError):
             raise BatchFailed(f"{type(first).__name__}: {first}") from first

@@ -1,0 +1,50 @@
+"""An interrupted profile stops: cancelling a batch whose requests fail as they are torn down (a client
+error instead of CancelledError, as an aborted stream can raise) is a cancellation, not a failed batch
+the sweep would skip before going on with the next one."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+
+from hetroute.clock import MonotonicClock
+from profiling import collect
+from profiling.batches import BatchShape
+from profiling.calibrate import Calibration, PromptMaker
+from profiling.discover import EngineInfo
+
+
+async def test_cancelling_a_batch_whose_requests_raise_on_teardown_is_a_cancellation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    started = asyncio.Event()
+
+    async def stream_request(*_args: Any) -> None:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            raise aiohttp.ServerDisconnectedError() from None  # torn down mid-stream
+
+    monkeypatch.setattr(collect, "stream_request", stream_request)
+    info = EngineInfo("vllm", "m", 100_000, "test")
+    calibration = Calibration(1.0, 0.0, "exact", True)
+    batch = asyncio.create_task(
+        collect._run_batch(
+            None,  # type: ignore[arg-type]  # the fake request never uses the session
+            "http://127.0.0.1:1",
+            info,
+            BatchShape(2, 16, 16),
+            PromptMaker("t", calibration),
+            "exact",
+            MonotonicClock(),
+            30.0,
+        )
+    )
+    await asyncio.wait_for(started.wait(), 5)
+    batch.cancel()  # Ctrl-C: asyncio.run cancels the main task
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(batch, 5)
