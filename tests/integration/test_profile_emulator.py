@@ -265,6 +265,12 @@ async def _running(session: aiohttp.ClientSession, url: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
+def _default_sigint() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.timeout(30)
 async def test_ctrl_c_exits_130_and_leaves_nothing_running_upstream(tmp_path: Path) -> None:
     import signal
@@ -299,6 +305,10 @@ async def test_ctrl_c_exits_130_and_leaves_nothing_running_upstream(tmp_path: Pa
             ],
             *["--batch-sizes", "8", "--input-lens", "512", "--output-lens", "1024", "--reps", "1"],
             stderr=asyncio.subprocess.PIPE,
+            # A Ctrl-C at a terminal: the child takes SIGINT's default even when the test runs as a
+            # background job, whose shell made every child ignore SIGINT (POSIX), which the child's
+            # Python would otherwise keep.
+            preexec_fn=_default_sigint,
         )
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
             for _ in range(1000):  # bounded wait until the batch of 8 is decoding
