@@ -11,14 +11,15 @@ import logging
 
 import aiohttp
 import pytest
+from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from hetroute.access_log import ACCESS_BATCH, ACCESS_LOGGER, AccessLog, AccessRecord
+from hetroute.access_log import ACCESS_BATCH, ACCESS_LOGGER, AccessLog, AccessRecord, LineSink
 from hetroute.app import build_app, start_app
 from hetroute.config import config_from_dict
 from hetroute.lifecycle import FLUSH_INTERVAL_S
 from hetroute.telemetry import TELEMETRY_BATCH, RequestOutcome, Telemetry
-from tests.conftest import MODEL, EmulateFn, backend_entry, eventually
+from tests.conftest import MODEL, Emu, EmulateFn, backend_entry, eventually
 
 
 def _record(k: int) -> AccessRecord:
@@ -95,8 +96,8 @@ def test_any_collection_of_the_registry_sees_every_held_request_and_decision() -
     assert registry.get_sample_value("hetroute_ttft_seconds_count", {"backend": "b", "model": MODEL}) == n
 
 
-async def test_a_gateways_lines_reach_its_sink_soon_and_at_shutdown(emulate: EmulateFn) -> None:
-    emu = await emulate("vllm")
+async def _started(emu: Emu, sink: LineSink) -> tuple[web.AppRunner, str]:
+    """A gateway in front of ``emu`` whose access-log lines go to ``sink``; its runner and URL."""
     cfg = config_from_dict(
         {
             "backends": [backend_entry(emu)],
@@ -106,10 +107,13 @@ async def test_a_gateways_lines_reach_its_sink_soon_and_at_shutdown(emulate: Emu
         },
         env={},
     )
+    runner, port = await start_app(build_app(cfg, registry=CollectorRegistry(), access_sink=sink))
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_a_gateways_lines_reach_its_sink_soon_and_at_shutdown(emulate: EmulateFn) -> None:
     lines: list[str] = []
-    app = build_app(cfg, registry=CollectorRegistry(), access_sink=lines.append)
-    runner, port = await start_app(app)
-    url = f"http://127.0.0.1:{port}"
+    runner, url = await _started(await emulate("vllm"), lines.append)
     try:
         async with aiohttp.ClientSession() as s:
             for k in range(3):
@@ -129,18 +133,7 @@ async def test_a_gateways_lines_reach_its_sink_soon_and_at_shutdown(emulate: Emu
 
 
 async def test_metrics_are_exact_right_after_the_requests(emulate: EmulateFn) -> None:
-    emu = await emulate("vllm")
-    cfg = config_from_dict(
-        {
-            "backends": [backend_entry(emu)],
-            "policy": {"type": "round_robin"},
-            "health": {"probe_interval_s": 60.0},
-        },
-        env={},
-    )
-    app = build_app(cfg, registry=CollectorRegistry(), access_sink=lambda _line: None)
-    runner, port = await start_app(app)
-    url = f"http://127.0.0.1:{port}"
+    runner, url = await _started(await emulate("vllm"), lambda _line: None)
     try:
         async with aiohttp.ClientSession() as s:
             for _ in range(5):
