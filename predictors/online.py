@@ -30,7 +30,6 @@ import numpy as np
 
 from hetroute.errors import ConfigError
 from hetroute.fields import PositiveInt, Range, Reader
-from hetroute.types import FloatArray
 from predictors.base import PARAMS_PATH, clamp_prediction, read_edges, read_params
 
 Statistic = Literal["quantile", "mean"]
@@ -54,36 +53,40 @@ class _Window:
     """A ring buffer of the most recent observations with a lazily cached statistic.
 
     Alongside the ring it keeps the same values sorted (``bisect`` insert and delete), so a
-    quantile is two lookups and one interpolation instead of a numpy partition per change.
+    quantile is two lookups and one interpolation instead of a numpy partition per change. Both
+    are plain lists of floats: an observation is one list store and two bisections, with no numpy
+    scalar boxed or unboxed on the request path.
     """
 
-    __slots__ = ("_values", "_sorted", "_count", "_next", "_cached")
+    __slots__ = ("_size", "_values", "_sorted", "_next", "_cached")
 
     def __init__(self, size: int) -> None:
-        self._values: FloatArray = np.zeros(size, dtype=np.float64)
+        self._size = size
+        self._values: list[float] = []
         self._sorted: list[float] = []
-        self._count = 0
         self._next = 0
         self._cached: float | None = None
 
     def __len__(self) -> int:
-        return self._count
+        return len(self._values)
 
     def add(self, value: float) -> None:
-        ordered = self._sorted
-        if self._count == self._values.size:
-            del ordered[bisect.bisect_left(ordered, float(self._values[self._next]))]
+        ordered, values = self._sorted, self._values
+        if len(values) == self._size:
+            slot = self._next
+            del ordered[bisect.bisect_left(ordered, values[slot])]
+            values[slot] = value
+            self._next = slot + 1 if slot + 1 < self._size else 0
+        else:
+            values.append(value)
         bisect.insort(ordered, value)
-        self._values[self._next] = value
-        self._next = (self._next + 1) % self._values.size
-        self._count = min(self._count + 1, self._values.size)
         self._cached = None
 
     def statistic(self, q: float | None) -> float:
         """The q-quantile of the window, or its mean when ``q`` is None (cached until the next add)."""
         if self._cached is None:
             if q is None:
-                self._cached = float(np.mean(self._values[: self._count]))
+                self._cached = float(np.mean(np.array(self._values, dtype=np.float64)))
             else:
                 self._cached = _linear_quantile(self._sorted, q)
         return self._cached
