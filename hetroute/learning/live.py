@@ -19,9 +19,9 @@ next refit.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
-import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -84,6 +84,27 @@ class _Backend:
     drift_times_s: list[float] = field(default_factory=list)
     drift_pending: bool = False
     rows: RowCache = field(default_factory=RowCache)
+    ordered_residuals: list[float] = field(default_factory=list)
+    """The residuals' values, sorted (kept with ``residuals``: the drift check's median is two reads)."""
+
+    def add_residual(self, finished_at_s: float, residual: float) -> None:
+        """Append to ``residuals`` (the oldest drops out when it is full) and keep the sorted copy."""
+        ordered, window = self.ordered_residuals, self.residuals
+        if len(window) == window.maxlen:
+            del ordered[bisect.bisect_left(ordered, window[0][1])]
+        window.append((finished_at_s, residual))
+        bisect.insort(ordered, residual)
+
+    def clear_residuals(self) -> None:
+        self.residuals.clear()
+        self.ordered_residuals.clear()
+
+    def median_residual(self) -> float:
+        """``statistics.median`` of the residuals (the mean of the two middle ones for an even count)."""
+        ordered = self.ordered_residuals
+        n = len(ordered)
+        half = n // 2
+        return ordered[half] if n % 2 else (ordered[half - 1] + ordered[half]) / 2
 
 
 class LiveModels:
@@ -171,19 +192,20 @@ class LiveModels:
             run_soon(self._take_queued)
 
     def _take_queued(self) -> None:
-        """Take in the queued observations, oldest first."""
+        """Take in the queued observations, oldest first (the parameters, capacities and slot limits
+        are read once per batch: they change only where the queue is taken in first)."""
         if not self._queued:
             return
         queued, self._queued = self._queued, []
+        params, caps, seqs = self.params.tolist(), self._caps.tolist(), self._max_seqs.tolist()
         for obs in queued:
-            self._take(obs)
+            i = obs.backend_index
+            self._take(obs, params[i], caps[i], seqs[i])
 
-    def _take(self, obs: Observation) -> None:
-        """One observation: its out-of-sample error first, then the drift check."""
+    def _take(self, obs: Observation, params: list[float], cap: float, seqs: float) -> None:
+        """One observation on the model ``params`` (plain floats): its out-of-sample error first, then
+        the drift check."""
         b = self._b[obs.backend_index]
-        i = obs.backend_index
-        cap, seqs = float(self._caps[i]), float(self._max_seqs[i])
-        params = self.params[i].tolist()  # plain floats: the predictions below index them often
         predicted = predict_e2e_s(params, obs, cap, seqs)
         if obs.e2e_s > 0 and predicted > 0:
             err = abs(predicted / obs.e2e_s - 1.0)
@@ -201,7 +223,7 @@ class LiveModels:
                     residual = math.log(decode_s / (obs.output_tokens - 1) / tpot)
                 else:
                     residual = math.log(obs.e2e_s / predicted)
-                b.residuals.append((obs.finished_at_s, residual))
+                b.add_residual(obs.finished_at_s, residual)
         b.observations.append(obs)
         b.observed_total += 1
         b.since_regime += 1
@@ -212,8 +234,7 @@ class LiveModels:
             and b.fit.samples >= DRIFT_WINDOW
             and len(b.residuals) == DRIFT_WINDOW
         ):
-            # np.median's value (the mean of the two middle residuals) at a tenth of its cost
-            shift = statistics.median([r for _, r in b.residuals])
+            shift = b.median_residual()
             limit = math.log(self.config.drift_ratio)
             if abs(shift) > limit:
                 # The new regime starts at the first of the recent requests already on the drift's side.
@@ -221,13 +242,13 @@ class LiveModels:
                     t for t, r in b.residuals if r * math.copysign(1.0, shift) > 0.5 * limit
                 )
                 b.since_regime = DRIFT_WINDOW
-                b.residuals.clear()
+                b.clear_residuals()
                 b.drift_pending = True  # judged again only against a model refitted on the new regime
                 b.drifts += 1
                 b.drift_times_s.append(obs.finished_at_s)
                 log.warning(
                     "backend %s drifted: requests take %.2fx the model's prediction; re-learning",
-                    self.names[i],
+                    self.names[obs.backend_index],
                     math.exp(shift),
                 )
 
@@ -261,7 +282,7 @@ class LiveModels:
             params[i] = b.fit.params
             if b.drift_pending:
                 b.drift_pending = False
-                b.residuals.clear()
+                b.clear_residuals()
             changed += 1
         changed += self._borrow_from_peers(params)
         if changed:
