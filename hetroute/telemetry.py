@@ -287,29 +287,58 @@ class Telemetry:
             run_soon(self.flush)
 
     def flush(self) -> None:
-        """Apply the held requests and decisions to the metrics."""
+        """Apply the held requests and decisions to the metrics.
+
+        A batch is applied per label set: each counter child is incremented once by the batch's
+        total (exact: the increments are integers), and each histogram child observes the batch's
+        values in the order they were held, so every child ends exactly as if they were applied
+        one at a time."""
         if self._held_requests:
             held, self._held_requests = self._held_requests, []
-            for outcome in held:
-                self._observe_request(outcome)
+            self._apply_requests(held)
         if self._held_decisions:
             decisions, self._held_decisions = self._held_decisions, []
-            child = self._child
+            by_policy: dict[tuple[str, ...], list[float]] = {}
             for policy, elapsed_s in decisions:
-                child(self.decision, (policy,)).observe(elapsed_s)
+                by_policy.setdefault((policy,), []).append(elapsed_s)
+            self._observe_all(self.decision, by_policy)
 
-    def _observe_request(self, o: RequestOutcome) -> None:
+    def _apply_requests(self, held: list[RequestOutcome]) -> None:
+        requests: dict[tuple[str, ...], int] = {}
+        tokens: dict[tuple[str, ...], int] = {}
+        durations: dict[tuple[str, ...], list[float]] = {}
+        ttfts: dict[tuple[str, ...], list[float]] = {}
+        itls: dict[tuple[str, ...], list[float]] = {}
+        key: tuple[str, ...]
+        for o in held:
+            backend = o.backend
+            key = (backend, o.model, o.api, str(o.status), o.policy)
+            requests[key] = requests.get(key, 0) + 1
+            durations.setdefault((backend, o.api), []).append(o.duration_s)
+            if o.ttft_s is not None:
+                ttfts.setdefault((backend, o.model), []).append(o.ttft_s)
+            if o.itl_s is not None:
+                itls.setdefault((backend,), []).append(o.itl_s)
+            if o.prompt_tokens:
+                key = (backend, "prompt")
+                tokens[key] = tokens.get(key, 0) + o.prompt_tokens
+            if o.completion_tokens:
+                key = (backend, "completion")
+                tokens[key] = tokens.get(key, 0) + o.completion_tokens
         child = self._child
-        child(self.requests, (o.backend, o.model, o.api, str(o.status), o.policy)).inc()
-        child(self.duration, (o.backend, o.api)).observe(o.duration_s)
-        if o.ttft_s is not None:
-            child(self.ttft, (o.backend, o.model)).observe(o.ttft_s)
-        if o.itl_s is not None:
-            child(self.itl, (o.backend,)).observe(o.itl_s)
-        if o.prompt_tokens:
-            child(self.tokens, (o.backend, "prompt")).inc(o.prompt_tokens)
-        if o.completion_tokens:
-            child(self.tokens, (o.backend, "completion")).inc(o.completion_tokens)
+        for key, count in requests.items():
+            child(self.requests, key).inc(count)
+        self._observe_all(self.duration, durations)
+        self._observe_all(self.ttft, ttfts)
+        self._observe_all(self.itl, itls)
+        for key, count in tokens.items():
+            child(self.tokens, key).inc(count)
+
+    def _observe_all(self, metric: Histogram, values: dict[tuple[str, ...], list[float]]) -> None:
+        for labels, observed in values.items():
+            observe = self._child(metric, labels).observe
+            for value in observed:
+                observe(value)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.registry)
