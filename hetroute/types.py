@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -94,8 +94,7 @@ class EngineMetrics:
     """Tokens of those lookups found cached (vLLM ``vllm:prefix_cache_hits``); TGI exports neither."""
 
 
-@dataclass(frozen=True, slots=True)
-class RequestFeatures:
+class RequestFeatures(NamedTuple):
     """What a policy may know about a request before it is dispatched.
 
     ``input_tokens`` is an estimate (chars-per-token, learned online) unless a tokenizer
@@ -119,8 +118,7 @@ class RequestFeatures:
     session: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class ClusterSnapshot:
+class ClusterSnapshot(NamedTuple):
     """An immutable view of the cluster for one routing decision.
 
     Index ``i`` in every array refers to ``backends[i]``. Arrays are read-only copies of

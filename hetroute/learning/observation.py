@@ -18,12 +18,14 @@ that is below 1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class Observation:
-    """A successful request on backend ``backend_index`` (times in seconds, counts in tokens)."""
+class Observation(NamedTuple):
+    """A successful request on backend ``backend_index`` (times in seconds, counts in tokens).
+
+    Immutable; a named tuple rather than a frozen dataclass because one is built for every
+    finished request, at a third of the cost (``_replace`` makes a changed copy)."""
 
     backend_index: int
     finished_at_s: float

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from hetroute.proxy.api_errors import ApiError
 from hetroute.types import Api
@@ -25,8 +24,7 @@ from hetroute.types import Api
 Kind = Literal["chat", "completions", "generate", "generate_stream", "compat"]
 
 
-@dataclass(frozen=True, slots=True)
-class ParsedRequest:
+class ParsedRequest(NamedTuple):
     """A validated client request. ``model`` is None for TGI (its API has no model field)."""
 
     api: Api
@@ -90,7 +88,7 @@ def with_model(parsed: ParsedRequest, model: str) -> ParsedRequest:
     """``parsed`` for ``model``, the name written into the forwarded body (older engines need it)."""
     obj = json.loads(parsed.body)
     obj["model"] = model
-    return replace(parsed, model=model, body=json.dumps(obj).encode())
+    return parsed._replace(model=model, body=json.dumps(obj).encode())
 
 
 def _content_text(content: Any, param: str) -> str:

@@ -20,7 +20,6 @@ import hmac
 import json
 import math
 import struct
-from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -35,7 +34,7 @@ TAG_BYTES = 32
 MAX_DATAGRAM_BYTES = 60_000
 """Below UDP's 65,507-byte payload limit over IPv4."""
 MAX_NAME_CHARS = 256
-_OBS_FIELDS = tuple(f.name for f in fields(Observation) if f.name != "backend_index")
+_OBS_FIELDS = tuple(f for f in Observation._fields if f != "backend_index")
 """An observation's fields on the wire, after the backend name (its index is the sender's own)."""
 _SIGNED = frozenset({"finished_at_s"})  # a clock reading; every other number is >= 0
 _OPTIONAL = frozenset({"ttft_s", "engine_running"})

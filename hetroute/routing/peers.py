@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -147,7 +147,7 @@ class PeerView:
         for name, obs in summary.observations:
             i = index.get(name)
             if i is not None:
-                out.append(replace(obs, backend_index=i, finished_at_s=obs.finished_at_s + shift))
+                out.append(obs._replace(backend_index=i, finished_at_s=obs.finished_at_s + shift))
         return out
 
     def _positions(self, backends: tuple[str, ...]) -> tuple[IntArray, IntArray]:

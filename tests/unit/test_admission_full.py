@@ -332,7 +332,7 @@ def test_backends_priced_alike_are_never_too_slow_for_each_other() -> None:
     placer = Placer(router, FullConfig())
     names = []
     for k in range(6):
-        ticket = placer.place(replace(feats(k), predicted_output_tokens=200), 2, CLASS)
+        ticket = placer.place(feats(k)._replace(predicted_output_tokens=200), 2, CLASS)
         assert ticket is not None, k
         names.append(ticket.backend_name)
     assert set(names) == {"a", "b", "c"}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -141,7 +140,7 @@ def test_a_few_surprisingly_fast_first_tokens_do_not_drag_the_prefill_scale_down
     obs = synthetic(TRUE, 300, random.Random(4))
     for k in (100, 200, 290):
         o = obs[k]
-        fast = replace(o, input_tokens=4000, pending_tokens_ahead=8000.0, ttft_s=0.02, e2e_s=0.02 + o.e2e_s)
+        fast = o._replace(input_tokens=4000, pending_tokens_ahead=8000.0, ttft_s=0.02, e2e_s=0.02 + o.e2e_s)
         obs[k] = fast
     assert _fit(obs, TRUE).params[0] == pytest.approx(TRUE[0], rel=0.15)
 
@@ -197,7 +196,7 @@ def _full_batch(params: tuple[float, ...], n: int, rng: random.Random) -> list[O
         n1, n2 = float(rng.randint(240, 256)), float(rng.randint(240, 256))
         obs = Observation(0, k * 0.05, i, o, None, 0.0, 0.0, n1, n1 * 600.0, n2, n2 * 600.0)
         e2e = predict_e2e_s(params, obs, CAP, SEQS) * (1 + 0.03 * rng.gauss(0, 1))
-        out.append(replace(obs, e2e_s=e2e))
+        out.append(obs._replace(e2e_s=e2e))
     return out
 
 
@@ -276,7 +275,7 @@ def test_peers_with_the_same_informed_prior_publish_the_best_learned_model_until
     assert live.params[0].tolist() == pytest.approx(list(TRUE))  # too few: the common prior
     for obs in rows[PEER_MIN_SAMPLES - 1 : 60]:
         live.observe(obs)
-        live.observe(replace(obs, backend_index=2))
+        live.observe(obs._replace(backend_index=2))
     live.refit(now_s=20.0)
     assert live.params[0][0] == pytest.approx(slow[0], rel=0.1)
     assert live.params[1].tolist() == live.params[0].tolist()  # b saw nothing: a's model
@@ -285,7 +284,7 @@ def test_peers_with_the_same_informed_prior_publish_the_best_learned_model_until
     assert live.samples.tolist() == [60.0, 0.0, 45.0, 0.0]  # exploration still counts b's own
     fast = tuple(v * 0.5 for v in TRUE)
     for obs in synthetic(fast, 40, random.Random(9), start_s=20.0):
-        live.observe(replace(obs, backend_index=1))
+        live.observe(obs._replace(backend_index=1))
     live.refit(now_s=30.0)
     assert live.params[1][0] == pytest.approx(fast[0], rel=0.15)  # enough of its own: its own fit
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -66,7 +65,7 @@ def test_a_summary_comes_back_whole() -> None:
     assert [name for name, _ in back.observations] == ["v100", "v100"]
     for (_, got), (_, want) in zip(back.observations, sent.observations, strict=True):
         assert got.backend_index == -1  # the receiver sets its own index
-        assert replace(got, backend_index=1) == want
+        assert got._replace(backend_index=1) == want
 
 
 def test_only_the_newest_observations_travel() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -24,15 +23,15 @@ HASHES = text_chunk_hashes(PROMPT)
 def prefixed(
     rid: str = "r", input_tokens: int = 2048, output: int = 50, session: str = ""
 ) -> RequestFeatures:
-    return dataclasses.replace(
-        req(input_tokens, output, rid), prefix_hashes=HASHES, prefix_chunk_tokens=64.0, session=session
+    return req(input_tokens, output, rid)._replace(
+        prefix_hashes=HASHES, prefix_chunk_tokens=64.0, session=session
     )
 
 
 def with_cache(s: ClusterSnapshot, matched: list[float], session_backend: int = -1) -> ClusterSnapshot:
     arr = np.array(matched, dtype=np.float64)
-    return dataclasses.replace(
-        s, prefix_matched_tokens=arr, prefix_trust=np.ones_like(arr), session_backend=session_backend
+    return s._replace(
+        prefix_matched_tokens=arr, prefix_trust=np.ones_like(arr), session_backend=session_backend
     )
 
 
@@ -114,7 +113,7 @@ def test_session_hash_is_stable_and_moves_few_keys() -> None:
     idx4, idx3 = np.arange(4), np.array([0, 1, 2])
     moved = 0
     for k in range(400):
-        f = dataclasses.replace(req(rid=f"r{k}"), session=f"user-{k}")
+        f = req(rid=f"r{k}")._replace(session=f"user-{k}")
         first = sh.choose(f, snap(four), idx4).index
         assert sh.choose(f, snap(four), idx4).index == first
         if sh3.choose(f, snap(four), idx3).index != first:

@@ -434,12 +434,9 @@ def test_paper_kv_signal_uses_dispatch_time_predictions() -> None:
 
     bs = (spec("a"), spec("b"))
     snap = snapshot(bs, input_tokens=[100, 300], kv_capacity=[1000, 1000])
-    snap = type(snap)(
-        **{
-            **{f: getattr(snap, f) for f in snap.__dataclass_fields__},
-            "predicted_output_tokens_in_flight": np.array([400.0, 0.0]),
-            "generated_tokens_in_flight": np.array([900.0, 0.0]),
-        }
+    snap = snap._replace(
+        predicted_output_tokens_in_flight=np.array([400.0, 0.0]),
+        generated_tokens_in_flight=np.array([900.0, 0.0]),
     )
     idx = np.array([0, 1])
     cap = np.array([1000.0, 1000.0])
