@@ -49,12 +49,14 @@ async def client_session(app: web.Application) -> AsyncIterator[None]:
 
 async def held_records(app: web.Application) -> AsyncIterator[None]:
     """Every ``FLUSH_INTERVAL_S``, and once at the end (after the requests drained), apply what the
-    metrics and the access log hold of finished requests (they batch it, telemetry.py, access_log.py)."""
-    telemetry, access_log = app[TELEMETRY], app[FORWARDER].access_log
+    metrics, the access log, the token estimator and the output-length predictor hold of finished
+    requests (they batch it: telemetry.py, access_log.py, proxy/held_answers.py)."""
+    telemetry, forwarder = app[TELEMETRY], app[FORWARDER]
 
     def flush() -> None:
         telemetry.flush()
-        access_log.flush()
+        forwarder.access_log.flush()
+        forwarder.answers.flush()
 
     async def every(interval_s: float) -> None:
         while True:

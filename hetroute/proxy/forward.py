@@ -46,6 +46,7 @@ from hetroute.prefix.hashing import ROUTER_CHUNK_CHARS, text_chunk_hashes
 from hetroute.proxy.api_errors import REQUEST_ID_HEADER, ApiError, error_response
 from hetroute.proxy.failover import AttemptFailure, exhausted_response
 from hetroute.proxy.headers import client_headers, upstream_headers
+from hetroute.proxy.held_answers import Answer, HeldAnswers
 from hetroute.proxy.http1 import UpstreamError, UpstreamResponse
 from hetroute.proxy.protocols import ParsedRequest, TokenEstimator
 from hetroute.proxy.relay import end_with_error, pump
@@ -111,6 +112,7 @@ class Forwarder:
         self.access_log = access_log
         self.estimator = estimator
         self.predictor = predictor
+        self.answers = HeldAnswers(estimator, predictor)
         self.clock = clock
         self.settings = settings
         self.upstream = upstream
@@ -286,17 +288,18 @@ class Forwarder:
         raise ApiError(504, f"the request did not complete within {self.settings.request_s:g} s")
 
     def _learn(self, a: Attempt, prompt: int | None, completion: int | None, *, streamed: bool) -> None:
-        """A successful answer teaches the token estimator, the output-length predictor and, through
-        ``router.complete``, the backend's live latency model."""
+        """A successful answer teaches the token estimator and the output-length predictor (held and
+        taken in batches, :class:`HeldAnswers`) and, through ``router.complete``, the backend's live
+        latency model."""
         rec = a.rec
-        model = rec.model or ""
-        self.estimator.observe(model, a.parsed.prompt_chars, prompt)
         if prompt is not None:
             rec.prompt_tokens = prompt
         if completion is not None:
             rec.completion_tokens = completion
-            self.predictor.observe(model, rec.prompt_tokens or 0, completion)
             self.router.complete(a.ticket, completion, input_tokens=prompt, streamed=streamed)
+        self.answers.add(
+            Answer(rec.model or "", a.parsed.prompt_chars, prompt, rec.prompt_tokens or 0, completion)
+        )
 
     def _complete(self, a: Attempt, resp: UpstreamResponse, body: bytes) -> web.Response:
         """The client's answer to a non-streaming request (or a stream's non-200), read whole."""

@@ -1,7 +1,8 @@
-"""What a finished request leaves behind (its metrics, its access-log line, its learning observation)
-is held and applied in batches, off the request's own path: nothing is lost or reordered, a
-``/metrics`` scrape or any collection of the registry is exact, and the held lines reach the sink
-within ``FLUSH_INTERVAL_S`` and at shutdown."""
+"""What a finished request leaves behind (its metrics, its access-log line, its learning observation,
+what it teaches the token estimator and the output-length predictor) is held and applied in batches,
+off the request's own path: nothing is lost or reordered, a ``/metrics`` scrape or any collection of
+the registry is exact, and the held lines reach the sink within ``FLUSH_INTERVAL_S`` and at
+shutdown."""
 
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ from prometheus_client import CollectorRegistry
 
 from hetroute.access_log import ACCESS_BATCH, ACCESS_LOGGER, AccessLog, AccessRecord, LineSink
 from hetroute.app import build_app, start_app
+from hetroute.app_keys import FORWARDER
 from hetroute.config import config_from_dict
 from hetroute.lifecycle import FLUSH_INTERVAL_S
+from hetroute.proxy.held_answers import ANSWER_BATCH, Answer, HeldAnswers
+from hetroute.proxy.protocols import TokenEstimator
 from hetroute.telemetry import TELEMETRY_BATCH, RequestOutcome, Telemetry
+from predictors.online import OnlineQuantilePredictor
 from tests.conftest import MODEL, Emu, EmulateFn, backend_entry, eventually
 
 
@@ -146,3 +151,74 @@ async def test_metrics_are_exact_right_after_the_requests(emulate: EmulateFn) ->
     (line,) = [x for x in text.splitlines() if x.startswith("hetroute_requests_total{")]
     assert line.endswith(" 5.0"), line
     assert 'hetroute_routing_decision_seconds_count{policy="round_robin"} 5.0' in text
+
+
+def _answers(n: int) -> list[Answer]:
+    """Answers of two models over several prompt lengths, some without an engine count or output."""
+    out = []
+    for k in range(n):
+        model = MODEL if k % 3 else "other"
+        prompt = 40 + 97 * (k % 11)
+        engine = None if k % 7 == 0 else prompt
+        completion = None if k % 13 == 0 else 5 + (k * 37) % 300
+        out.append(Answer(model, prompt * 4 + k % 5, engine, prompt, completion))
+    return out
+
+
+def _state(est: TokenEstimator, pred: OnlineQuantilePredictor) -> list[object]:
+    return [
+        *(est.chars_per_token(m) for m in (MODEL, "other")),
+        *(pred.estimate(m, n) for m in (MODEL, "other") for n in (40, 300, 900, 5000)),
+    ]
+
+
+async def test_held_answers_reach_the_estimator_and_predictor_in_order_as_if_given_at_once() -> None:
+    est, pred = TokenEstimator(), OnlineQuantilePredictor(min_samples=5)
+    twin_est, twin_pred = TokenEstimator(), OnlineQuantilePredictor(min_samples=5)
+    held = HeldAnswers(est, pred)
+    answers = _answers(3 * ANSWER_BATCH)
+    before = _state(est, pred)
+
+    def twin(a: Answer) -> None:
+        twin_est.observe(a.model, a.prompt_chars, a.engine_prompt_tokens)
+        if a.completion_tokens is not None:
+            twin_pred.observe(a.model, a.prompt_tokens, a.completion_tokens)
+
+    for k, a in enumerate(answers[: 2 * ANSWER_BATCH + 5]):
+        held.add(a)
+        twin(a)
+        if k == ANSWER_BATCH - 2:
+            assert _state(est, pred) == before  # held: nothing taken in yet
+        if k == ANSWER_BATCH - 1:
+            assert len(held) == ANSWER_BATCH  # a full batch is taken in after the current step
+            await asyncio.sleep(0)
+            assert len(held) == 0 and _state(est, pred) == _state(twin_est, twin_pred)
+    assert len(held) == ANSWER_BATCH + 5  # the second full batch is scheduled; the loop has not run
+    await asyncio.sleep(0)
+    assert len(held) == 0 and _state(est, pred) == _state(twin_est, twin_pred)
+    for a in answers[2 * ANSWER_BATCH + 5 :]:
+        held.add(a)
+        twin(a)
+    assert len(held) == ANSWER_BATCH - 5
+    held.flush()
+    assert _state(est, pred) == _state(twin_est, twin_pred) != before
+    held.flush()  # nothing held: nothing taken in twice
+    assert _state(est, pred) == _state(twin_est, twin_pred)
+
+
+async def test_a_gateway_predictor_learns_the_answers_within_the_flush_interval(emulate: EmulateFn) -> None:
+    runner, url = await _started(await emulate("vllm"), lambda _line: None)
+    predictor = runner.app[FORWARDER].predictor
+    try:
+        assert predictor.predict(MODEL, 3, None) != 7
+        async with aiohttp.ClientSession() as s:
+            for _ in range(25):  # above the default predictor's 20 samples
+                body = {"model": MODEL, "prompt": "hi", "max_tokens": 7, "ignore_eos": True}
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    assert (await r.json())["usage"]["completion_tokens"] == 7
+        assert await eventually(
+            lambda: predictor.predict(MODEL, 3, None) == 7, timeout_s=10 * FLUSH_INTERVAL_S + 2.0
+        )
+    finally:
+        await runner.cleanup()
