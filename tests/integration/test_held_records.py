@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 
 import aiohttp
 import pytest
@@ -222,3 +223,40 @@ async def test_a_gateway_predictor_learns_the_answers_within_the_flush_interval(
         )
     finally:
         await runner.cleanup()
+
+
+def test_a_batch_applied_per_label_set_leaves_every_sample_as_one_at_a_time() -> None:
+    """Counters get one increment per label set and histograms their values in held order: every
+    sample (sums and buckets included) equals applying each request on its own."""
+    one, batched = CollectorRegistry(), CollectorRegistry()
+    single, held = Telemetry(one), Telemetry(batched)
+    rng = random.Random(8)
+    for k in range(5 * TELEMETRY_BATCH + 7):
+        outcome = RequestOutcome(
+            rng.choice(["a", "b", "none"]),
+            rng.choice([MODEL, "other"]),
+            rng.choice(["openai", "tgi"]),
+            rng.choice([200, 200, 404, 502]),
+            rng.choice(["default", "round_robin"]),
+            rng.random() * 3,
+            rng.random() if k % 2 else None,
+            rng.random() / 10 if k % 3 else None,
+            rng.randint(0, 900),
+            rng.randint(0, 300),
+        )
+        policy, elapsed_s = rng.choice(["default", "round_robin"]), rng.random() / 1000
+        for t in (single, held):
+            t.observe_request(outcome)
+            t.on_decision(policy, outcome.backend, elapsed_s)
+        single.flush()  # a batch of one: each request applied on its own
+
+    def samples(registry: CollectorRegistry) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
+        return sorted(
+            (s.name, tuple(sorted(s.labels.items())), s.value)
+            for family in registry.collect()
+            for s in family.samples
+            if not s.name.endswith("_created")
+        )
+
+    assert samples(batched) == samples(one)
+    assert len(samples(one)) > 100

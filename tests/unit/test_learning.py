@@ -365,3 +365,21 @@ def test_learned_models_are_saved_as_profiles_and_loaded_only_for_their_backend(
     path.write_text("params: [1, 2]\n")
     assert load_saved(tmp_path, specs) == {}  # unreadable: ignored, never fatal
     assert live_profile(live, 1, specs[1], float("nan")).kv_capacity_source == "unknown"
+
+
+def test_the_drift_median_kept_sorted_is_statistics_median_of_the_residual_window() -> None:
+    from collections import deque
+
+    from hetroute.learning.live import _Backend
+
+    prior = PriorModel(NEUTRAL_LEARNING_PRIOR.as_tuple(), "neutral", "neutral")
+    b = _Backend(prior, deque(maxlen=8), deque(maxlen=DRIFT_WINDOW), deque(maxlen=8))
+    rng = random.Random(5)
+    for k in range(20 * DRIFT_WINDOW):
+        residual = round(rng.gauss(0.0, 0.4), 1)  # rounded: many equal values, as ties must work
+        b.add_residual(float(k), residual)
+        assert len(b.ordered_residuals) == len(b.residuals) <= DRIFT_WINDOW
+        assert b.median_residual() == statistics.median(r for _, r in b.residuals)
+        if k % 97 == 96:
+            b.clear_residuals()
+            assert not b.ordered_residuals
