@@ -6,7 +6,8 @@ handful of backends numpy's per-call overhead (≈ 1 µs per operation on 2-elem
 operations per decision) dominates, and scalar arithmetic is several times cheaper. Every
 expression evaluates the same IEEE-754 float64 operations in the same order as the array code, so the
 results are bit-identical; the one transcendental, ``exp``, is still evaluated by numpy over an array of
-the candidates (or skipped when every exponent is 0, where it is exactly 1). ``tests/unit/
+the candidates (or skipped when every exponent is 0, where it is exactly 1; for a single candidate,
+:func:`choose_forced`, on the scalar: the same ufunc and the same value). ``tests/unit/
 test_minmax_scalar.py`` checks the equivalence on many random snapshots.
 
 Used by ``MinMaxPolicy.choose`` when the fleet has at most :data:`SCALAR_MAX_BACKENDS` backends;
@@ -190,16 +191,62 @@ def choose_forced(
     this function's cost in a profile under load) and its scores omit ``minmax_load``."""
     if candidates.size != 1 or policy.kv_signal not in ("ledger", "paper"):
         return None
-    cand: list[int] = candidates.tolist()
-    cached = _cached(policy, snap, cand, snap.workload.tolist())
-    t_list, u_list, w_list, _, _ = _costs(policy, features, snap, cand, cached, [], ranking=False)
-    cost = w_list[0]
+    c = int(candidates[0])
+    t, u, cost = _forced_cost(policy, features, snap, c, _forced_cached(policy, snap, c))
     if not math.isfinite(cost):  # pragma: no cover - guarded by MAX_EXPONENT; never charge ∞
         cost = float(np.finfo(np.float64).max) / 4
-    t, u = t_list[0], u_list[0]
     return RoutingDecision(
-        index=cand[0], reason=ONLY_CANDIDATE, workload_cost=cost, scores={"T_s": t, "kv_usage": u, "w": cost}
+        index=c, reason=ONLY_CANDIDATE, workload_cost=cost, scores={"T_s": t, "kv_usage": u, "w": cost}
     )
+
+
+def _forced_cached(policy: MinMaxSettings, snap: ClusterSnapshot, c: int) -> float | None:
+    """:func:`_cached` for the single candidate ``c`` (the balance guard cannot exclude the least
+    loaded candidate itself)."""
+    matched = snap.prefix_matched_tokens
+    if not policy.prefix or matched is None:
+        return None
+    trust = snap.prefix_trust
+    return float(matched[c]) if trust is None else float(matched[c]) * float(trust[c])
+
+
+def _forced_cost(
+    policy: MinMaxSettings, features: RequestFeatures, snap: ClusterSnapshot, c: int, cached: float | None
+) -> tuple[float, float, float]:
+    """(T, kvusage, w) of :func:`_costs` for the one candidate ``c`` (``ranking=False``): the same
+    operations in the same order, read from the snapshot item by item."""
+    models, lists = policy.models, policy.lists
+    cap_c = float(snap.kv_capacity_tokens[c])
+    cap_c = max(cap_c if math.isfinite(cap_c) else float(models.fallback_capacity_tokens[c]), 1.0)
+    if policy.kv_signal == "ledger":
+        kv = (
+            float(snap.input_tokens_in_flight[c])
+            + float(snap.generated_tokens_in_flight[c])
+            + float(snap.remaining_predicted_tokens[c])
+        )
+    else:
+        kv = float(snap.input_tokens_in_flight[c]) + float(snap.predicted_output_tokens_in_flight[c])
+    input_tokens, output_tokens = features.input_tokens, features.predicted_output_tokens
+    i = float(input_tokens)
+    o = float(output_tokens)
+    ia = float(max(i, 0))
+    oa = float(max(o, 0))
+    if policy.unit_time:
+        t_c = 1.0
+    else:
+        params = models.params if snap.latency_params is None else snap.latency_params
+        p1, p2, p3, p4, p5, p6, p7, p8 = lists.get("params", params)[c]
+        per_request = max(1.0, ia + oa)
+        s_tok = oa * ia + oa * (oa + 1.0) / 2.0
+        iu = ia if cached is None else max(ia - cached, 0.0)
+        bcap = cap_c if policy.batch_kv == "full" else cap_c * (i + o) / max(1.0, i + o / 2.0)
+        b = min(max(float(math.floor(bcap / per_request)), 1.0), float(models.max_num_seqs[c]))
+        total = p1 * b * iu + p2 * b + p3 * iu + p4 + p5 * b * s_tok + p6 * b * oa + p7 * s_tok + p8 * oa
+        t_c = max(total, 0.0) / b
+    u_c = kv / cap_c
+    g = max(u_c - 1.0, 0.0) if policy.overflow_only else u_c
+    x = min(policy.theta * g, MAX_EXPONENT)
+    return t_c, u_c, (t_c * float(np.exp(x)) if x != 0.0 else t_c)
 
 
 def _costs(
@@ -209,13 +256,10 @@ def _costs(
     cand: list[int],
     cached: list[float] | None,
     n_req: list[int],
-    *,
-    ranking: bool = True,
 ) -> tuple[list[float], list[float], list[float], list[float], list[float] | None]:
     """Per candidate: T_r^s, kvusage, the cost w = T·e^(θ·kvusage), (with the latency floor) the
     request's own predicted latency and (with a ``cache_weight`` ≠ 1 and some cache credit) the part of
-    w the cached tokens save, in the array path's operation order (Eq. 5-6, method.md §5). Without
-    ``ranking`` only T, kvusage and w (the latency and saving lists come back empty and None)."""
+    w the cached tokens save, in the array path's operation order (Eq. 5-6, method.md §5)."""
     models, lists = policy.models, policy.lists
     caps_snap: list[float] = lists.get("caps", snap.kv_capacity_tokens)
     fallback: list[float] = lists.get("fallback", models.fallback_capacity_tokens)
@@ -231,7 +275,7 @@ def _costs(
     else:
         pred = snap.predicted_output_tokens_in_flight.tolist()
         kv = [in_fl[c] + pred[c] for c in cand]
-    pending = snap.prefill_pending_tokens.tolist() if policy.prefill_queue and ranking else None
+    pending = snap.prefill_pending_tokens.tolist() if policy.prefill_queue else None
     input_tokens, output_tokens = features.input_tokens, features.predicted_output_tokens
     i = float(input_tokens)
     o = float(output_tokens)
@@ -246,13 +290,9 @@ def _costs(
     theta, overflow_only, unit_time = policy.theta, policy.overflow_only, policy.unit_time
     full_batch = policy.batch_kv == "full"
     weighted = (
-        ranking
-        and cached is not None
-        and policy.cache_weight != 1.0
-        and not unit_time
-        and any(x > 0.0 for x in cached)
+        cached is not None and policy.cache_weight != 1.0 and not unit_time and any(x > 0.0 for x in cached)
     )
-    latency_floor = ranking and policy.latency_floor
+    latency_floor = policy.latency_floor
     saved_t: list[float] = []
     t_list: list[float] = []
     u_list: list[float] = []
