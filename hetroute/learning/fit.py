@@ -371,13 +371,56 @@ def predict_tpot_s(
 def predict_e2e_s(
     params: Sequence[float], obs: Observation, capacity_tokens: float, max_num_seqs: float
 ) -> float:
-    """The model's e2e for ``obs`` under the load it met: TTFT_r + (O − 1)·TPOT_r (module docstring)."""
-    p = [float(v) for v in params]
-    i = max(float(obs.input_tokens) - obs.cached_tokens, 0.0)
-    ttft = p[0] * (obs.pending_tokens_ahead + i) + p[1] + p[2] * i + p[3]
-    b0, length0 = running_point(obs, capacity_tokens, max_num_seqs)
-    if b0 > 0:
-        ttft += _TTFT_DECODE_STEPS * max(p[4] * b0 * length0 + p[5] * b0 + p[6] * length0 + p[7], 0.0)
-    b, length = decode_point(obs, capacity_tokens, max_num_seqs)
-    step = p[4] * b * length + p[5] * b + p[6] * length + p[7]
-    return max(ttft, 0.0) + max(obs.output_tokens - 1, 0) * max(step, 0.0)
+    """The model's e2e for ``obs`` under the load it met: TTFT_r + (O − 1)·TPOT_r (module docstring).
+
+    The learner computes it for every observation, so :func:`running_point` and :func:`decode_point`
+    are written out here, their shared running share computed once, and each ``max(a, b)`` /
+    ``min(a, b)`` of theirs as the same comparison (``b if b > a else a`` / ``b if b < a else a``, what
+    the builtins return, NaN included): the same operations in the same order, the same value
+    (``tests/unit/test_learning.py`` checks it against the two functions)."""
+    p1, p2, p3, p4, p5, p6, p7, p8 = params if type(params) is list else [float(v) for v in params]
+    ii = obs.input_tokens
+    running, at_end, at_first = obs.engine_running, obs.in_flight_at_end, obs.in_flight_at_first
+    if running is None or at_end <= 0:
+        share = 1.0
+    else:
+        share = (1.0 if running < 1.0 else running) / at_end
+        share = share if share < 1.0 else 1.0
+    capped = math.isfinite(capacity_tokens) and capacity_tokens > 0
+    i = float(ii) - obs.cached_tokens
+    i = 0.0 if i < 0.0 else i
+    ttft = p1 * (obs.pending_tokens_ahead + i) + p2 + p3 * i + p4
+    # running_point: the other requests decoding while r waits for its first token
+    others = at_first - 1.0
+    others = 0.0 if others < 0.0 else others
+    if others > 0.0:
+        context0 = obs.context_at_first - ii
+        context0 = (0.0 if context0 < 0.0 else context0) / others
+        b0 = others * share
+        if capped:
+            per = capacity_tokens / (1.0 if context0 < 1.0 else context0)
+            per = per if per > 1.0 else 1.0
+            b0 = per if per < b0 else b0
+        b0 = max_num_seqs if max_num_seqs < b0 else b0
+        if b0 > 0:
+            step0 = p5 * b0 * context0 + p6 * b0 + p7 * context0 + p8
+            ttft += _TTFT_DECODE_STEPS * (0.0 if step0 < 0.0 else step0)
+    # decode_point: mean batch and mean context of r's decode
+    n1 = 1.0 if at_first < 1.0 else at_first
+    n2 = 1.0 if at_end < 1.0 else at_end
+    context = 0.5 * (obs.context_at_first / n1 + obs.context_at_end / n2)
+    fi = float(ii)
+    context = fi if fi > context else context
+    batch = 0.5 * (n1 + n2) * share
+    batch = 1.0 if batch < 1.0 else batch
+    if capped:
+        per = capacity_tokens / (1.0 if context < 1.0 else context)
+        per = per if per > 1.0 else 1.0
+        batch = per if per < batch else batch
+    batch = max_num_seqs if max_num_seqs < batch else batch
+    batch = batch if batch > 1.0 else 1.0
+    step = p5 * batch * context + p6 * batch + p7 * context + p8
+    decode_steps = obs.output_tokens - 1
+    return (0.0 if ttft < 0.0 else ttft) + (decode_steps if decode_steps > 0 else 0) * (
+        0.0 if step < 0.0 else step
+    )

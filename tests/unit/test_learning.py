@@ -11,7 +11,17 @@ import numpy as np
 import pytest
 
 from hetroute.latency import load_profile
-from hetroute.learning.fit import FitResult, FitSettings, RowCache, fit_backend, predict_e2e_s, predict_tpot_s
+from hetroute.learning.fit import (
+    _TTFT_DECODE_STEPS,
+    FitResult,
+    FitSettings,
+    RowCache,
+    decode_point,
+    fit_backend,
+    predict_e2e_s,
+    predict_tpot_s,
+    running_point,
+)
 from hetroute.learning.live import DRIFT_WINDOW, PEER_MIN_SAMPLES, LiveModels, PriorModel
 from hetroute.learning.observation import Observation
 from hetroute.learning.settings import LearningConfig
@@ -383,3 +393,48 @@ def test_the_drift_median_kept_sorted_is_statistics_median_of_the_residual_windo
         if k % 97 == 96:
             b.clear_residuals()
             assert not b.ordered_residuals
+
+
+def _composed_e2e_s(params: list[float], obs: Observation, cap: float, seqs: float) -> float:
+    """predict_e2e_s as the composition of running_point and decode_point it writes out."""
+    p = [float(v) for v in params]
+    i = max(float(obs.input_tokens) - obs.cached_tokens, 0.0)
+    ttft = p[0] * (obs.pending_tokens_ahead + i) + p[1] + p[2] * i + p[3]
+    b0, length0 = running_point(obs, cap, seqs)
+    if b0 > 0:
+        ttft += _TTFT_DECODE_STEPS * max(p[4] * b0 * length0 + p[5] * b0 + p[6] * length0 + p[7], 0.0)
+    b, length = decode_point(obs, cap, seqs)
+    step = p[4] * b * length + p[5] * b + p[6] * length + p[7]
+    return max(ttft, 0.0) + max(obs.output_tokens - 1, 0) * max(step, 0.0)
+
+
+def test_the_written_out_e2e_prediction_equals_its_composition_bit_for_bit() -> None:
+    rng = random.Random(11)
+
+    def value(scale: float) -> float:
+        choices = [0.0, 1.0, -10 * rng.random(), math.nan, scale * rng.random(), scale * rng.random()]
+        return rng.choice(choices)
+
+    for _ in range(20_000):
+        obs = Observation(
+            0,
+            rng.random(),
+            rng.choice([0, 1, rng.randint(0, 5000)]),
+            rng.choice([0, 1, 2, rng.randint(0, 2000)]),
+            None,
+            rng.random(),
+            value(5000),
+            value(300),
+            value(400_000),
+            value(300),
+            value(400_000),
+            None if rng.random() < 0.4 else value(300),
+            value(3000) if rng.random() < 0.3 else 0.0,
+        )
+        params = [rng.choice([0.0, -rng.random() * 1e-3, rng.random() * 1e-3]) for _ in range(8)]
+        cap = rng.choice([math.inf, math.nan, 0.0, -5.0, 100.0, rng.random() * 1e6])
+        seqs = rng.choice([0.5, 1.0, 256.0, rng.random() * 300])
+        want = _composed_e2e_s(params, obs, cap, seqs)
+        for given in (params, tuple(params)):  # a list is used as it is, anything else converted
+            got = predict_e2e_s(given, obs, cap, seqs)
+            assert got == want or (math.isnan(got) and math.isnan(want)), (params, obs, cap, seqs)
