@@ -1,11 +1,11 @@
 """One structured (JSON) access-log line per client request.
 
 Owns the record's field set and its serialisation; the destination is a line sink (``hetroute
-serve``: buffered stdout; each of ``hetroute serve --workers``: a :class:`WholeLineWriter` on
-stdout) or, by default, the ``hetroute.access`` logger.
-Fields: request_id, api, path, model, backend, status, attempts, stream, ttft_s, itl_s (mean
-gap between stream events), duration_s,
-prompt_tokens, completion_tokens, policy, reason, error.
+serve``: a :class:`WholeLineWriter` on stdout with ``ACCESS_BUFFER_BYTES``; each of ``hetroute serve
+--workers``: one that writes at most ``PIPE_BUF`` bytes at a time) or, by default, the
+``hetroute.access`` logger. Fields: request_id, api, path, model, backend, status, attempts, stream,
+ttft_s, itl_s (mean gap between stream events), duration_s, prompt_tokens, completion_tokens, policy,
+reason, error.
 """
 
 from __future__ import annotations
@@ -87,16 +87,17 @@ ACCESS_BATCH = 64
 class AccessLog:
     """Serialises :class:`AccessRecord` to one JSON line and hands it to a sink.
 
-    ``hetroute serve`` passes a buffered stdout writer (flushed periodically by the serve
-    command): the ``logging`` machinery costs tens of µs per line, a large share of the
-    router's per-request budget. With a sink, records are held and written out in order, in
-    batches: once ``ACCESS_BATCH`` are held (after the current event-loop step, so that the request
-    that filled the batch does not wait for it: :func:`~hetroute.deferred.run_soon`) and whenever
-    :meth:`flush` is called (the app does every
+    ``hetroute serve`` passes a buffered writer on stdout (flushed periodically by the serve
+    command, whatever ``PYTHONUNBUFFERED`` says): the ``logging`` machinery costs tens of µs per
+    line, a large share of the router's per-request budget. With a sink, records are held and
+    written out in order, in batches: once ``ACCESS_BATCH`` are held (after the current event-loop
+    step, so that the request that filled the batch does not wait for it:
+    :func:`~hetroute.deferred.run_soon`) and whenever :meth:`flush` is called (the app does every
     ``FLUSH_INTERVAL_S`` and at shutdown): encoding a batch in one go costs less CPU than a line
-    at a time amid the request path (docs/performance.md). A crash loses at most what is held.
-    Without a sink, lines go to the ``hetroute.access`` logger at INFO, at once. Disabled means no
-    work at all. :meth:`write` takes the record over: nobody may change it afterwards.
+    at a time amid the request path (docs/performance.md). A crash loses at most what is held and
+    what the sink buffers. Without a sink, lines go to the ``hetroute.access`` logger at INFO, at
+    once. Disabled means no work at all. :meth:`write` takes the record over: nobody may change it
+    afterwards.
     """
 
     def __init__(self, sink: LineSink | None = None, *, enabled: bool = True) -> None:
@@ -125,6 +126,10 @@ class AccessLog:
         sink = self._sink
         for record in held:
             sink(record_line(record) + "\n")
+
+
+ACCESS_BUFFER_BYTES = 65_536
+"""Access-log bytes ``hetroute serve`` (one process) buffers before it writes them to stdout."""
 
 
 class WholeLineWriter:

@@ -3,11 +3,14 @@ at most ``limit`` bytes per ``os.write``, so processes sharing stdout never inte
 
 from __future__ import annotations
 
+import io
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
-from hetroute.access_log import WholeLineWriter
+from hetroute.access_log import ACCESS_BUFFER_BYTES, WholeLineWriter
 
 
 def _writes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
@@ -71,3 +74,28 @@ def test_lines_reach_a_real_pipe() -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_serve_buffers_its_lines_on_stdouts_descriptor_whatever_pythonunbuffered_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hetroute serve`` writes access lines through its own buffer (one write per
+    ``ACCESS_BUFFER_BYTES`` or per flush), even when stdout itself is unbuffered."""
+    from hetroute.commands.serve import access_out
+
+    path = tmp_path / "out.txt"
+    with open(path, "w", buffering=1) as unbuffered:  # line-buffered: each line would be a write
+        monkeypatch.setattr(sys, "stdout", unbuffered)
+        out = access_out()
+        assert isinstance(out, WholeLineWriter)
+        for k in range(3):
+            out.write(f'{{"request_id":"r{k}"}}\n')
+        assert path.read_text() == ""  # held in the router's buffer
+        out.flush()
+        assert path.read_text().splitlines() == [f'{{"request_id":"r{k}"}}' for k in range(3)]
+        big = "x" * 1000 + "\n"
+        for _ in range(ACCESS_BUFFER_BYTES // len(big) + 1):
+            out.write(big)
+        assert len(path.read_text()) >= ACCESS_BUFFER_BYTES - len(big)  # a full buffer goes out unasked
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # no descriptor: stdout itself
+    assert access_out() is sys.stdout
