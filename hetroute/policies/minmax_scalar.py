@@ -137,19 +137,25 @@ def choose_scalar(
     t_list, u_list, w_list, lat_list, saved_list = _costs(policy, features, snap, cand, cached, n_req)
     own = [loads[c] + w for c, w in zip(cand, w_list, strict=True)]
     rank = own
+    # max(a, b) of two floats as the builtin's own comparison, b if b > a else a (as in _costs)
     if saved_list is not None:
         weight = policy.cache_weight - 1.0
-        rank = [a - weight * max(x, 0.0) for a, x in zip(own, saved_list, strict=True)]
-        own = [max(d, loads[c]) for d, c in zip(rank, cand, strict=True)]
+        rank = [a - weight * (0.0 if x < 0.0 else x) for a, x in zip(own, saved_list, strict=True)]
+        own = [(load if load > d else d) for d, load in zip(rank, (loads[c] for c in cand), strict=True)]
     if policy.latency_floor:
-        own = [max(a, b) for a, b in zip(own, lat_list, strict=True)]
-        rank = own if saved_list is None else [max(a, b) for a, b in zip(rank, lat_list, strict=True)]
+        own = [(b if b > a else a) for a, b in zip(own, lat_list, strict=True)]
+        rank = (
+            own if saved_list is None else [(b if b > a else a) for a, b in zip(rank, lat_list, strict=True)]
+        )
     if len(loads) >= 2:
         first = max(loads)
         top = loads.index(first)
         ranked = sorted(loads)
         second = ranked[-2]
-        score = [max(second if c == top else first, a) for c, a in zip(cand, own, strict=True)]
+        score = []
+        for c, a in zip(cand, own, strict=True):
+            other = second if c == top else first
+            score.append(a if a > other else other)
     else:
         score = own
     best = min(score)
@@ -299,38 +305,64 @@ def _costs(
     x_list: list[float] = []
     lat_list: list[float] = []
     for k, c in enumerate(cand):
+        # Each max(a, b) / min(a, b) of two floats is written as the builtin's own comparison,
+        # b if b > a else a / b if b < a else a (the same value, NaN included, at a quarter of the cost).
         cap_c = caps_snap[c]
-        cap_c = max(cap_c if math.isfinite(cap_c) else fallback[c], 1.0)
+        cap_c = cap_c if math.isfinite(cap_c) else fallback[c]
+        cap_c = 1.0 if cap_c < 1.0 else cap_c
         p1, p2, p3, p4, p5, p6, p7, p8 = rows[k]
         seq_c = seqs[c]
-        iu = ia if cached is None else max(ia - cached[k], 0.0)
+        if cached is None:
+            iu = ia
+        else:
+            iu = ia - cached[k]
+            iu = 0.0 if iu < 0.0 else iu
         if unit_time:
             t_c = 1.0
         else:
-            bcap = cap_c if full_batch else cap_c * (i + o) / max(1.0, i + o / 2.0)
-            b = min(max(float(math.floor(bcap / per_request)), 1.0), seq_c)
+            if full_batch:
+                bcap = cap_c
+            else:
+                half = i + o / 2.0
+                bcap = cap_c * (i + o) / (half if half > 1.0 else 1.0)
+            b = float(math.floor(bcap / per_request))
+            b = 1.0 if b < 1.0 else b
+            b = seq_c if seq_c < b else b
             total = p1 * b * iu + p2 * b + p3 * iu + p4 + p5 * b * s_tok + p6 * b * oa + p7 * s_tok + p8 * oa
-            t_c = max(total, 0.0) / b
+            t_c = (0.0 if total < 0.0 else total) / b
             if weighted:
                 saved_t.append((p1 * b + p3) * (ia - iu) / b)
         u_c = kv[k] / cap_c
-        g = max(u_c - 1.0, 0.0) if overflow_only else u_c
+        if overflow_only:
+            g = u_c - 1.0
+            g = 0.0 if g < 0.0 else g
+        else:
+            g = u_c
         t_list.append(t_c)
         u_list.append(u_c)
-        x_list.append(min(theta * g, MAX_EXPONENT))
+        x = theta * g
+        x_list.append(MAX_EXPONENT if x > MAX_EXPONENT else x)
         if latency_floor:
             n = float(n_req[c])
             mean_context = (in_fl[c] + gen[c] + input_tokens) / (n + 1.0)
-            iul = il if cached is None else max(il - cached[k], 0.0)
-            bl = min(max(n + 1.0, 1.0), seq_c)
+            if cached is None:
+                iul = il
+            else:
+                iul = il - cached[k]
+                iul = 0.0 if iul < 0.0 else iul
+            bl = n + 1.0
+            bl = 1.0 if bl < 1.0 else bl
+            bl = seq_c if seq_c < bl else bl
             kv_len = mean_context + ol / 2.0
             prefill = p1 * iul + p2 + p3 * iul + p4
             step = p5 * bl * kv_len + p6 * bl + p7 * kv_len + p8
-            lat = max(prefill + ol * step, 0.0)
+            lat = prefill + ol * step
+            lat = 0.0 if lat < 0.0 else lat
             if pending is not None:
-                lat = lat + max(p1, 0.0) * max(pending[c], 0.0)
+                waiting = pending[c]
+                lat = lat + (0.0 if p1 < 0.0 else p1) * (0.0 if waiting < 0.0 else waiting)
             if policy.ttft_weight > 0.0:
-                lat = lat + policy.ttft_weight * max(prefill, 0.0)
+                lat = lat + policy.ttft_weight * (0.0 if prefill < 0.0 else prefill)
             lat_list.append(lat)
     saved_list: list[float] | None = saved_t if weighted else None
     if any(x != 0.0 for x in x_list):  # exp(0) is exactly 1; otherwise numpy's exp, as the arrays do
