@@ -137,6 +137,7 @@ class LiveModels:
         params.flags.writeable = False
         self.params: FloatArray = params
         self._queued: list[Observation] = []
+        self._refit_cursor = 0
         self.samples: FloatArray = self._samples()
 
     def set_slot(
@@ -260,14 +261,30 @@ class LiveModels:
         caps = np.where(np.isfinite(capacities_tokens), capacities_tokens, self._fallback_caps)
         self._caps = np.asarray(caps, dtype=np.float64)
 
-    def refit(self, now_s: float) -> int:
-        """Refit every backend with new observations; publish new arrays. Returns how many changed."""
+    def refit(self, now_s: float, limit: int | None = None) -> int:
+        """Refit the backends with new observations, at most ``limit`` of them (None: all), and
+        publish new arrays. Returns how many rows changed.
+
+        With a ``limit`` the backends are taken in turn, starting after the last one a limited call
+        fitted, so that every dirty backend is fitted within ``ceil(dirty / limit)`` calls; each fit
+        takes a few milliseconds (about 2 ms for a full window on the development machine), so the
+        gateway refits a large fleet a slice at a time (``lifecycle.learning_loop``)."""
         self._take_queued()
         changed = 0
         params = self.params.copy()
-        for i, b in enumerate(self._b):
+        n = len(self._b)
+        start = self._refit_cursor if limit is not None else 0
+        fitted = 0
+        for step in range(n):
+            i = (start + step) % n
+            b = self._b[i]
             if not b.dirty:
                 continue
+            if limit is not None and fitted >= limit:
+                break
+            fitted += 1
+            if limit is not None:
+                self._refit_cursor = (i + 1) % n
             b.dirty = False
             b.fit = fit_backend(
                 list(b.observations),
@@ -290,6 +307,11 @@ class LiveModels:
             self.params = params
         self.samples = self._samples()
         return changed
+
+    def dirty_backends(self) -> int:
+        """How many backends have observations their published model has not been fitted on."""
+        self._take_queued()
+        return sum(1 for b in self._b if b.dirty)
 
     def _borrow_from_peers(self, params: FloatArray) -> int:
         """Peers: backends whose informed priors (``PEER_KINDS``) are equal, i.e. the same GPU, TP, model

@@ -438,3 +438,31 @@ def test_the_written_out_e2e_prediction_equals_its_composition_bit_for_bit() -> 
         for given in (params, tuple(params)):  # a list is used as it is, anything else converted
             got = predict_e2e_s(given, obs, cap, seqs)
             assert got == want or (math.isnan(got) and math.isnan(want)), (params, obs, cap, seqs)
+
+
+def test_a_limited_refit_takes_the_dirty_backends_in_turn_and_a_whole_pass_equals_one_refit() -> None:
+    rng = random.Random(21)
+    sliced, whole = _live(n=10), _live(n=10)
+    for i in range(10):
+        for obs in synthetic(TRUE, 40, rng):
+            sliced.observe(obs._replace(backend_index=i))
+            whole.observe(obs._replace(backend_index=i))
+    assert sliced.dirty_backends() == 10
+    fitted = []
+    for _ in range(3):
+        sliced.refit(10.0, limit=4)
+        fitted.append([i for i in range(10) if sliced.fit_of(i) is not None])
+    assert fitted == [[0, 1, 2, 3], list(range(8)), list(range(10))]
+    assert sliced.dirty_backends() == 0
+    whole.refit(10.0)
+    assert sliced.params.tolist() == whole.params.tolist()  # the same fits, in slices
+    # The next limited refit starts after the last backend fitted (9): 0 first, then 5, then 9.
+    for i in (9, 5, 0):
+        for obs in synthetic(TRUE, 3, rng, start_s=20.0):
+            sliced.observe(obs._replace(backend_index=i))
+    order = []
+    for _ in range(3):
+        before = {i: sliced.fit_of(i) for i in (0, 5, 9)}
+        sliced.refit(30.0, limit=1)
+        order += [i for i in (0, 5, 9) if sliced.fit_of(i) is not before[i]]
+    assert order == [0, 5, 9] and sliced.dirty_backends() == 0
