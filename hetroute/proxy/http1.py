@@ -220,6 +220,18 @@ class _Connection(asyncio.Protocol):
         if resp is None or self._state == _DONE:  # nothing was asked: the connection is out of step
             self._abort()
             return
+        if self._state == _CHUNK_SIZE and not self._buf:
+            # A streaming engine's usual segment, one whole chunk (size line, one event, CRLF) and
+            # nothing after it: the step _parse takes for it, without its loop.
+            end = data.find(b"\r\n", 0, 18)
+            if end > 0:
+                size = data[:end]
+                if not size.strip(_HEX_DIGITS):
+                    start = end + 2
+                    stop = start + int(size, 16)
+                    if stop > start and len(data) == stop + 2 and data.endswith(b"\r\n"):
+                        self._pause_if(resp._body(data[start:stop]))
+                        return
         try:
             self._parse(resp, self._buf + data if self._buf else data)
         except UpstreamError as err:

@@ -159,6 +159,41 @@ async def test_a_chunked_stream_split_at_every_byte_is_relayed_whole(serve: Serv
     pool.close()
 
 
+async def test_whole_chunks_each_in_its_own_segment_are_relayed_and_the_connection_reused(
+    serve: Serve,
+) -> None:
+    """A streaming engine's usual segment, one whole chunk (taken in one step by ``data_received``),
+    then the last chunk and a trailer-less end."""
+    events = [b"data: %d\n\n" % k for k in range(4)] + [b"data: " + b"x" * 300 + b"\n\n"]
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: text/event-stream\r\n\r\n"
+    pieces = [head, *(b"%x\r\n%s\r\n" % (len(e), e) for e in events), b"0\r\n\r\n"]
+    server = await serve(lambda i: Answer(pieces, gap_s=0.005) if i == 0 else ok(b"{}"))
+    pool = Http1Pool(connect_s=2.0)
+    url = f"http://127.0.0.1:{server.port}"
+    resp = await pool.post(url, "/v1/completions", b"{}", HEADERS)
+    got = []
+    while chunk := await resp.readany():
+        got.append(chunk)
+    assert b"".join(got) == b"".join(events)
+    resp.close()
+    second = await pool.post(url, "/v1/completions", b"{}", HEADERS)
+    assert await second.read() == b"{}"
+    second.close()
+    assert server.connections == 1
+    pool.close()
+
+
+async def test_a_whole_chunk_with_a_bad_end_is_a_protocol_error(serve: Serve) -> None:
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    server = await serve(lambda i: Answer([head, b"5\r\nhelloXX"], gap_s=0.005, close=True))
+    pool = Http1Pool(connect_s=2.0)
+    resp = await pool.post(f"http://127.0.0.1:{server.port}", "/v1/completions", b"{}", HEADERS)
+    with pytest.raises(UpstreamProtocolError, match="CRLF"):
+        await resp.read()
+    resp.close()
+    pool.close()
+
+
 async def test_an_answer_without_length_runs_to_the_close_and_is_not_reused(serve: Serve) -> None:
     server = await serve(lambda i: Answer([b"HTTP/1.1 200 OK\r\n\r\n", b"part1,", b"part2"], close=True))
     pool = Http1Pool(connect_s=2.0)
