@@ -139,6 +139,22 @@ async def test_header_values_are_read_as_utf8_like_aiohttps_client(serve: Serve)
     pool.close()
 
 
+async def _stream_then_reuse(pool: Http1Pool, url: str, server: Server) -> bytes:
+    """The body of a streamed answer read with ``readany``; then a second request on the same
+    connection (the answer ended where it should) gets the scripted ``{}``. Closes ``pool``."""
+    resp = await pool.post(url, "/v1/completions", b"{}", HEADERS)
+    got = b""
+    while chunk := await resp.readany():
+        got += chunk
+    resp.close()
+    second = await pool.post(url, "/v1/completions", b"{}", HEADERS)
+    assert await second.read() == b"{}"
+    second.close()
+    assert server.connections == 1
+    pool.close()
+    return got
+
+
 async def test_a_chunked_stream_split_at_every_byte_is_relayed_whole(serve: Serve) -> None:
     events = b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"
     wire = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\nX-Trailer: t\r\n\r\n"
@@ -146,17 +162,7 @@ async def test_a_chunked_stream_split_at_every_byte_is_relayed_whole(serve: Serv
     server = await serve(lambda i: Answer(bytewise(head + wire)) if i == 0 else ok(b"{}"))
     pool = Http1Pool(connect_s=2.0)
     url = f"http://127.0.0.1:{server.port}"
-    resp = await pool.post(url, "/v1/completions", b"{}", HEADERS)
-    got = b""
-    while chunk := await resp.readany():
-        got += chunk
-    assert got == b"".join(events)
-    resp.close()
-    second = await pool.post(url, "/v1/completions", b"{}", HEADERS)  # the trailer was consumed
-    assert await second.read() == b"{}"
-    second.close()
-    assert server.connections == 1
-    pool.close()
+    assert await _stream_then_reuse(pool, url, server) == b"".join(events)  # the trailer was consumed
 
 
 async def test_whole_chunks_each_in_its_own_segment_are_relayed_and_the_connection_reused(
@@ -170,17 +176,7 @@ async def test_whole_chunks_each_in_its_own_segment_are_relayed_and_the_connecti
     server = await serve(lambda i: Answer(pieces, gap_s=0.005) if i == 0 else ok(b"{}"))
     pool = Http1Pool(connect_s=2.0)
     url = f"http://127.0.0.1:{server.port}"
-    resp = await pool.post(url, "/v1/completions", b"{}", HEADERS)
-    got = []
-    while chunk := await resp.readany():
-        got.append(chunk)
-    assert b"".join(got) == b"".join(events)
-    resp.close()
-    second = await pool.post(url, "/v1/completions", b"{}", HEADERS)
-    assert await second.read() == b"{}"
-    second.close()
-    assert server.connections == 1
-    pool.close()
+    assert await _stream_then_reuse(pool, url, server) == b"".join(events)
 
 
 async def test_a_whole_chunk_with_a_bad_end_is_a_protocol_error(serve: Serve) -> None:
