@@ -219,11 +219,9 @@ def _forced_cached(policy: MinMaxSettings, snap: ClusterSnapshot, c: int) -> flo
 def _forced_cost(
     policy: MinMaxSettings, features: RequestFeatures, snap: ClusterSnapshot, c: int, cached: float | None
 ) -> tuple[float, float, float]:
-    """(T, kvusage, w) of :func:`_costs` for the one candidate ``c`` (``ranking=False``): the same
-    operations in the same order, read from the snapshot item by item."""
-    models, lists = policy.models, policy.lists
-    cap_c = float(snap.kv_capacity_tokens[c])
-    cap_c = max(cap_c if math.isfinite(cap_c) else float(models.fallback_capacity_tokens[c]), 1.0)
+    """(T, kvusage, w) of :func:`_costs` for the one candidate ``c``, read from the snapshot item by
+    item (no list copies of the whole fleet)."""
+    models = policy.models
     if policy.kv_signal == "ledger":
         kv = (
             float(snap.input_tokens_in_flight[c])
@@ -232,27 +230,77 @@ def _forced_cost(
         )
     else:
         kv = float(snap.input_tokens_in_flight[c]) + float(snap.predicted_output_tokens_in_flight[c])
-    input_tokens, output_tokens = features.input_tokens, features.predicted_output_tokens
-    i = float(input_tokens)
-    o = float(output_tokens)
-    ia = float(max(i, 0))
-    oa = float(max(o, 0))
+    params = models.params if snap.latency_params is None else snap.latency_params
+    row: list[float] = policy.lists.get("params", params)[c]
+    request = _Request(features)
+    t_c, u_c, x, _ = _cost_terms(
+        policy,
+        request,
+        row,
+        float(snap.kv_capacity_tokens[c]),
+        float(models.fallback_capacity_tokens[c]),
+        float(models.max_num_seqs[c]),
+        kv,
+        request.ia if cached is None else request.ia - cached,
+    )
+    return t_c, u_c, (t_c * float(np.exp(x)) if x != 0.0 else t_c)
+
+
+class _Request:
+    """The request's sizes as :func:`_cost_terms` uses them (``amortised_request_s``'s own clamps)."""
+
+    __slots__ = ("i", "o", "ia", "oa", "per_request", "s_tok")
+
+    def __init__(self, features: RequestFeatures) -> None:
+        self.i = i = float(features.input_tokens)
+        self.o = o = float(features.predicted_output_tokens)
+        self.ia = ia = float(max(i, 0))
+        self.oa = oa = float(max(o, 0))
+        self.per_request = max(1.0, ia + oa)
+        self.s_tok = oa * ia + oa * (oa + 1.0) / 2.0
+
+
+def _cost_terms(
+    policy: MinMaxSettings,
+    r: _Request,
+    row: list[float],
+    cap: float,
+    fallback_cap: float,
+    seqs: float,
+    kv: float,
+    uncached: float,
+) -> tuple[float, float, float, float]:
+    """One candidate's T_r^s, kvusage, capped exponent θ·g and batch b (Eq. 5-6, method.md §5), for
+    prompt tokens ``uncached`` to prefill (clamped at 0) and KV ``kv`` in flight. Each max(a, b) /
+    min(a, b) of two floats is written as the builtin's own comparison (b if b > a else a / b if b < a
+    else a): the same value, NaN included, at a quarter of the cost."""
+    cap = cap if math.isfinite(cap) else fallback_cap
+    cap = 1.0 if cap < 1.0 else cap
+    iu = 0.0 if uncached < 0.0 else uncached
+    b = 1.0
     if policy.unit_time:
         t_c = 1.0
     else:
-        params = models.params if snap.latency_params is None else snap.latency_params
-        p1, p2, p3, p4, p5, p6, p7, p8 = lists.get("params", params)[c]
-        per_request = max(1.0, ia + oa)
-        s_tok = oa * ia + oa * (oa + 1.0) / 2.0
-        iu = ia if cached is None else max(ia - cached, 0.0)
-        bcap = cap_c if policy.batch_kv == "full" else cap_c * (i + o) / max(1.0, i + o / 2.0)
-        b = min(max(float(math.floor(bcap / per_request)), 1.0), float(models.max_num_seqs[c]))
+        p1, p2, p3, p4, p5, p6, p7, p8 = row
+        i, o, oa, s_tok = r.i, r.o, r.oa, r.s_tok
+        if policy.batch_kv == "full":
+            bcap = cap
+        else:
+            half = i + o / 2.0
+            bcap = cap * (i + o) / (half if half > 1.0 else 1.0)
+        b = float(math.floor(bcap / r.per_request))
+        b = 1.0 if b < 1.0 else b
+        b = seqs if seqs < b else b
         total = p1 * b * iu + p2 * b + p3 * iu + p4 + p5 * b * s_tok + p6 * b * oa + p7 * s_tok + p8 * oa
-        t_c = max(total, 0.0) / b
-    u_c = kv / cap_c
-    g = max(u_c - 1.0, 0.0) if policy.overflow_only else u_c
-    x = min(policy.theta * g, MAX_EXPONENT)
-    return t_c, u_c, (t_c * float(np.exp(x)) if x != 0.0 else t_c)
+        t_c = (0.0 if total < 0.0 else total) / b
+    u_c = kv / cap
+    if policy.overflow_only:
+        g = u_c - 1.0
+        g = 0.0 if g < 0.0 else g
+    else:
+        g = u_c
+    x = policy.theta * g
+    return t_c, u_c, (MAX_EXPONENT if x > MAX_EXPONENT else x), b
 
 
 def _costs(
@@ -283,18 +331,12 @@ def _costs(
         kv = [in_fl[c] + pred[c] for c in cand]
     pending = snap.prefill_pending_tokens.tolist() if policy.prefill_queue else None
     input_tokens, output_tokens = features.input_tokens, features.predicted_output_tokens
-    i = float(input_tokens)
-    o = float(output_tokens)
-    # amortised_request_s's own clamps of its float arguments
-    ia = float(max(i, 0))
-    oa = float(max(o, 0))
-    per_request = max(1.0, ia + oa)
-    s_tok = oa * ia + oa * (oa + 1.0) / 2.0
+    request = _Request(features)
+    ia = request.ia
     # request_latency_s / prefill_s clamp the integer arguments
     il = float(max(input_tokens, 0))
     ol = float(max(output_tokens, 0))
-    theta, overflow_only, unit_time = policy.theta, policy.overflow_only, policy.unit_time
-    full_batch = policy.batch_kv == "full"
+    unit_time = policy.unit_time
     weighted = (
         cached is not None and policy.cache_weight != 1.0 and not unit_time and any(x > 0.0 for x in cached)
     )
@@ -305,44 +347,20 @@ def _costs(
     x_list: list[float] = []
     lat_list: list[float] = []
     for k, c in enumerate(cand):
-        # Each max(a, b) / min(a, b) of two floats is written as the builtin's own comparison,
-        # b if b > a else a / b if b < a else a (the same value, NaN included, at a quarter of the cost).
-        cap_c = caps_snap[c]
-        cap_c = cap_c if math.isfinite(cap_c) else fallback[c]
-        cap_c = 1.0 if cap_c < 1.0 else cap_c
-        p1, p2, p3, p4, p5, p6, p7, p8 = rows[k]
+        row = rows[k]
         seq_c = seqs[c]
-        if cached is None:
-            iu = ia
-        else:
-            iu = ia - cached[k]
-            iu = 0.0 if iu < 0.0 else iu
-        if unit_time:
-            t_c = 1.0
-        else:
-            if full_batch:
-                bcap = cap_c
-            else:
-                half = i + o / 2.0
-                bcap = cap_c * (i + o) / (half if half > 1.0 else 1.0)
-            b = float(math.floor(bcap / per_request))
-            b = 1.0 if b < 1.0 else b
-            b = seq_c if seq_c < b else b
-            total = p1 * b * iu + p2 * b + p3 * iu + p4 + p5 * b * s_tok + p6 * b * oa + p7 * s_tok + p8 * oa
-            t_c = (0.0 if total < 0.0 else total) / b
-            if weighted:
-                saved_t.append((p1 * b + p3) * (ia - iu) / b)
-        u_c = kv[k] / cap_c
-        if overflow_only:
-            g = u_c - 1.0
-            g = 0.0 if g < 0.0 else g
-        else:
-            g = u_c
+        uncached = ia if cached is None else ia - cached[k]
+        t_c, u_c, x, b = _cost_terms(policy, request, row, caps_snap[c], fallback[c], seq_c, kv[k], uncached)
         t_list.append(t_c)
         u_list.append(u_c)
-        x = theta * g
-        x_list.append(MAX_EXPONENT if x > MAX_EXPONENT else x)
+        x_list.append(x)
+        if weighted:
+            p1, p3 = row[0], row[2]
+            iu = 0.0 if uncached < 0.0 else uncached
+            saved_t.append((p1 * b + p3) * (ia - iu) / b)
         if latency_floor:
+            # max(a, b) / min(a, b) of two floats as the builtin's own comparison (as in _cost_terms)
+            p1, p2, p3, p4, p5, p6, p7, p8 = row
             n = float(n_req[c])
             mean_context = (in_fl[c] + gen[c] + input_tokens) / (n + 1.0)
             if cached is None:
