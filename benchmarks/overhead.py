@@ -618,6 +618,13 @@ def _ceiling_estimate(m: dict[str, Any], workers: int, cores: int) -> float:
     return float(min(min(workers, cores) * 1e6 / proxy, cores * 1e6 / total))
 
 
+def _router_alone(m: dict[str, Any], workers: int, cores: int) -> float:
+    """Requests/s the proxy's own processes would serve with ``min(workers, cores)`` cores to themselves
+    (the harness and the kernel's interrupts on other cores), from the measured proxy CPU per request:
+    how the workers scale apart from what shares this machine's cores with them."""
+    return float(min(workers, cores) * 1e6 / m["proxy_cpu_us_per_request"])
+
+
 def summarise_ceiling(res: dict[str, Any]) -> list[dict[str, Any]]:
     """Per harness and layout: the median over rounds of each worker count, and the ratio."""
     out: list[dict[str, Any]] = []
@@ -660,6 +667,12 @@ def summarise_ceiling(res: dict[str, Any]) -> list[dict[str, Any]]:
                 "workers_1_req_per_s": est[1],
                 f"workers_{res['workers']}_req_per_s": est[res["workers"]],
                 "ratio": est[res["workers"]] / est[1],
+            }
+            alone = {w: _router_alone(row[f"workers_{w}"], w, res["cores"]) for w in (1, res["workers"])}
+            row["estimate_router_alone"] = {
+                "workers_1_req_per_s": alone[1],
+                f"workers_{res['workers']}_req_per_s": alone[res["workers"]],
+                "ratio": alone[res["workers"]] / alone[1],
             }
             out.append(row)
     return out
@@ -705,8 +718,8 @@ def ceiling_markdown(res: dict[str, Any], summary: list[dict[str, Any]], mach: d
         "measurement):",
         "",
         f"| harness | layout | proxy (1 / {w}) | harness (1 / {w}) | interrupts (1 / {w}) "
-        f"| estimated req/s, 1 worker | {w} workers | estimated ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| estimated req/s, 1 worker | {w} workers | estimated ratio | router alone: ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary:
         one, many = row["workers_1"], row[f"workers_{w}"]
@@ -716,8 +729,16 @@ def ceiling_markdown(res: dict[str, Any], summary: list[dict[str, Any]], mach: d
             f"| {one['proxy_cpu_us_per_request']:.0f} / {many['proxy_cpu_us_per_request']:.0f} "
             f"| {one['harness_cpu_us_per_request']:.0f} / {many['harness_cpu_us_per_request']:.0f} "
             f"| {one['interrupt_us_per_request']:.0f} / {many['interrupt_us_per_request']:.0f} "
-            f"| {est['workers_1_req_per_s']:.0f} | {est[f'workers_{w}_req_per_s']:.0f} | {est['ratio']:.2f} |"
+            f"| {est['workers_1_req_per_s']:.0f} | {est[f'workers_{w}_req_per_s']:.0f} | {est['ratio']:.2f} "
+            f"| {row['estimate_router_alone']['ratio']:.2f} |"
         )
+    lines += [
+        "",
+        f"Router alone: {w} workers' ceiling over one worker's if the workers had "
+        f"min({w}, cores) cores to themselves, the harness and interrupts running elsewhere "
+        "(`_router_alone`, from the proxy's own CPU per request; an estimate, not a measurement): how the "
+        "workers themselves scale, apart from what shares this machine's cores with them.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -811,6 +832,12 @@ def main() -> int:
     ap.add_argument("--harness", default="raw,aiohttp", help="--ceiling: raw and/or aiohttp")
     ap.add_argument("--layouts", default="pinned,floating", help="--ceiling: pinned and/or floating")
     ap.add_argument("--out", default=None, help="the JSON file (default: by mode, under results/)")
+    ap.add_argument(
+        "--render",
+        action="store_true",
+        help="--ceiling: summarise the saved windows of --out (default overhead_workers.json) again, "
+        "running nothing",
+    )
     args = ap.parse_args()
     if args.runs < 1:
         ap.error("--runs must be at least 1")
@@ -825,14 +852,23 @@ def main() -> int:
     if args.role == "bare":
         run_bare_proxy(args.port, args.upstream)
         return 0
+    if args.render and not args.ceiling:
+        ap.error("--render goes with --ceiling")
     if args.ceiling:
         workers = args.workers or 2
-        res = _uvloop().run_until_complete(
-            ceiling_async(args.quick, workers, args.rounds, args.harness.split(","), args.layouts.split(","))
-        )
-        ceiling = summarise_ceiling(res)
-        mach = machine()
         out = Path(args.out or HERE / "results" / "overhead_workers.json")
+        if args.render:
+            saved = json.loads(out.read_text())
+            mach = saved.pop("machine")
+            saved.pop("summary", None)
+            res = saved
+        else:
+            harnesses, layouts = args.harness.split(","), args.layouts.split(",")
+            res = _uvloop().run_until_complete(
+                ceiling_async(args.quick, workers, args.rounds, harnesses, layouts)
+            )
+            mach = machine()
+        ceiling = summarise_ceiling(res)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"machine": mach, "summary": ceiling, **res}, indent=1))
         md = ceiling_markdown(res, ceiling, mach)
