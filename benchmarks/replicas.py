@@ -2,7 +2,7 @@
 
 Usage: ``python benchmarks/replicas.py [--scenarios paper-a,paper-b,mixed] [--rates 8,16,24,inf]
 [--seeds 1,2,3] [--requests 4000] [--replicas 2,4] [--modes off,raw,scaled,scaled_excess]
-[--known prior,nothing] [--workers 2] [--out benchmarks/results]``.
+[--known prior,nothing] [--workers 2] [--out benchmarks/results] [--tag T]``.
 
 Each replica is the real Router with its own ledger, policy (``default``), latency learner and
 prefix index; request k goes to replica k mod R, as behind a round-robin Service; all share the
@@ -161,6 +161,7 @@ def aggregate(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         base = [single[(known, scenario, rate, r["seed"])] for r in runs]
         thr = [r["throughput_tokens_s"] / b["throughput_tokens_s"] for r, b in zip(runs, base, strict=True)]
         p99 = [r["ttft_p99_s"] / b["ttft_p99_s"] for r, b in zip(runs, base, strict=True)]
+        single_thr = [b["throughput_tokens_s"] for b in base]
         out.append(
             {
                 "known": known,
@@ -168,7 +169,13 @@ def aggregate(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "rate": rate,
                 "replicas": replicas,
                 "mode": mode,
+                "seeds": len(runs),
                 "throughput_ratio": statistics.mean(thr),
+                "throughput_ratio_min": min(thr),
+                "throughput_ratio_max": max(thr),
+                "throughput_ratio_sem": statistics.stdev(thr) / math.sqrt(len(thr)) if len(thr) > 1 else 0.0,
+                "single_throughput_min": min(single_thr),
+                "single_throughput_max": max(single_thr),
                 "ttft_p99_ratio": statistics.mean(p99),
                 "ttft_p99_s": statistics.mean(r["ttft_p99_s"] for r in runs),
                 "single_ttft_p99_s": statistics.mean(b["ttft_p99_s"] for b in base),
@@ -216,20 +223,60 @@ def markdown(agg: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
         mine = [a for a in agg if a["mode"] == mode]
         met = sum(a["meets"] for a in mine)
         lines.append(f"- `{mode}`: {met}/{len(mine)} cells meet both bars.")
+    lines += [
+        "",
+        "## Spread over seeds",
+        "",
+        "Per cell: the per-seed throughput ratios (mean ± its standard error, min–max) and one router's own "
+        "throughput over the same seeds (tokens/s, min–max; how much a single router's result moves with "
+        "the workload drawn).",
+        "",
+        "| known | scenario | rate | R | mode | seeds | ratio mean ± s.e. | ratio min–max "
+        "| one router, tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for a in agg:
+        lines.append(
+            f"| {a['known']} | {a['scenario']} | {a['rate']} | {a['replicas']} | {a['mode']} "
+            f"| {a['seeds']} | "
+            f"{a['throughput_ratio']:.3f} ± {a['throughput_ratio_sem']:.3f} | "
+            f"{a['throughput_ratio_min']:.3f}–{a['throughput_ratio_max']:.3f} | "
+            f"{a['single_throughput_min']:,.0f}–{a['single_throughput_max']:,.0f} |"
+        )
     return "\n".join(lines) + "\n"
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``1,2,3`` or ranges ``1-10`` (inclusive), mixed: ``1-3,7``; duplicates are an error."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if sep:
+            if int(hi) < int(lo):
+                raise argparse.ArgumentTypeError(f"--seeds: empty range {part!r}")
+            seeds.extend(range(int(lo), int(hi) + 1))
+        else:
+            seeds.append(int(part))
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"--seeds: a seed is listed twice in {text!r}")
+    return seeds
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", default="paper-a,paper-b,mixed")
     ap.add_argument("--rates", default="8,16,24,inf")
-    ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument(
+        "--seeds", type=parse_seeds, default="1,2,3", help="1,2,3 or a range 1-10 (default 1,2,3)"
+    )
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--replicas", default="2,4")
     ap.add_argument("--modes", default="off,raw,scaled,scaled_excess")
     ap.add_argument("--known", default="prior,nothing")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--tag", default="", help="appended to the output files' stem (replicas_peers_<tag>.*)")
     ap.add_argument(
         "--peer-hint",
         action="store_true",
@@ -252,7 +299,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.scenarios = args.scenarios.split(",")
     args.rates = [math.inf if r.strip() == "inf" else float(r) for r in args.rates.split(",")]
-    args.seeds = [int(s) for s in args.seeds.split(",")]
     args.replicas = [int(r) for r in args.replicas.split(",")]
     args.modes = args.modes.split(",")
     args.known = args.known.split(",")
@@ -278,6 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stem = "replicas_peers_hint" if args.peer_hint else "replicas_peers"
         if args.no_peer_mirror:
             stem += "_nomirror"
+    if args.tag:
+        stem += f"_{args.tag}"
     (args.out / f"{stem}.json").write_text(
         json.dumps({"meta": meta, "runs": rows, "cells": agg}, indent=1) + "\n"
     )
