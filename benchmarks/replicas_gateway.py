@@ -2,7 +2,7 @@
 ``hetroute emulate`` servers, the client spreading requests round robin across them.
 
 Usage: ``python benchmarks/replicas_gateway.py [--requests 400] [--rates 24,inf] [--replicas 1,2,4]
-[--modes off,scaled_excess] [--speedup 2] [--seed 1] [--out benchmarks/results]``.
+[--modes off,scaled_excess] [--speedup 2] [--seeds 1] [--out benchmarks/results] [--tag T]``.
 Writes ``replicas_gateway.json`` and ``replicas_gateway.md`` (``replicas_gateway_peer_hint.*`` with
 ``--peer-hint``, ``replicas_gateway_peers.*`` with ``--peers``, ``replicas_gateway_peers_hint.*`` with
 both).
@@ -15,7 +15,10 @@ With ``--peers`` the gateways also exchange summaries over UDP on 127.0.0.1 (``p
 ``interval_s`` = ``--peer-interval`` (default 0.005) / speedup, a shared ``HETROUTE_PEER_KEY``;
 ``--no-peer-mirror`` sets ``peers.mirror`` false and adds ``_nomirror`` to the file names).
 Request k goes to gateway k mod R. Reported: throughput and p99 TTFT (model seconds), and their ratios
-to one gateway at the same rate (issue 14's bars: ≥ 0.97 and ≤ 1.2).
+to one gateway at the same rate and seed (issue 14's bars: ≥ 0.97 and ≤ 1.2). With several ``--seeds``
+(workloads; ``1-6`` is a range) every seed runs every R, the order of R alternating from seed to seed,
+and the ratios are also given as mean ± standard error over the seeds: a 400-request burst at rate ∞
+ends when its last long answers do, so one workload's ratio moves by several per cent from run to run.
 
 Caveat: on a 2-core machine the gateways, both emulators and this client share the CPU, and more
 gateways mean more processes competing for it: say so with the numbers.
@@ -30,6 +33,7 @@ import math
 import os
 import platform
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -51,6 +55,7 @@ from policies_gateway import (  # noqa: E402
     summarise,
     wait_ready,
 )
+from replicas import parse_seeds  # noqa: E402
 
 from hetroute.sim.workload import generate_workload  # noqa: E402
 
@@ -70,7 +75,9 @@ def _udp_port() -> int:
         return port
 
 
-async def run_one(replicas: int, mode: str, rate: float, args: argparse.Namespace) -> dict[str, Any]:
+async def run_one(
+    replicas: int, mode: str, rate: float, seed: int, args: argparse.Namespace
+) -> dict[str, Any]:
     """One run: fresh emulators and ``replicas`` gateways; the workload spread round robin."""
     procs: list[asyncio.subprocess.Process] = []
     tmp = Path(tempfile.mkdtemp(prefix="hetroute-replicas-"))
@@ -131,7 +138,7 @@ async def run_one(replicas: int, mode: str, rate: float, args: argparse.Namespac
             serve = (*HETROUTE, "serve", "--config", str(path), "--log-level", "WARNING")
             procs.append(await _spawn(*serve, env=env))
             gateways.append(f"http://127.0.0.1:{port}")
-        work = generate_workload("sharegpt", args.requests, rate, args.seed, 2048)
+        work = generate_workload("sharegpt", args.requests, rate, seed, 2048)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             for b in backends:
                 await wait_ready(session, f"{b['url']}/health")
@@ -149,16 +156,25 @@ async def run_one(replicas: int, mode: str, rate: float, args: argparse.Namespac
             "replicas": replicas,
             "mode": mode,
             "rate": "inf" if math.isinf(rate) else f"{rate:g}",
+            "seed": seed,
             **{k: summary[k] for k in ("completed", "failed", "throughput_tokens_s", "ttft_p99_s")},
         }
     finally:
         await stop_processes(procs)
 
 
+def _one(rows: Sequence[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any]:
+    """The one-gateway run of ``row``'s rate and seed."""
+    return next(
+        r for r in rows if r["rate"] == row["rate"] and r["seed"] == row["seed"] and r["replicas"] == 1
+    )
+
+
 def markdown(rows: Sequence[dict[str, Any]], args: argparse.Namespace, wall_s: float) -> str:
+    seeds = ", ".join(str(s) for s in args.seeds)
     lines = [
         f"# Router replicas through real gateways (paper-a, {args.requests} requests, speedup "
-        f"{args.speedup:g}, seed {args.seed})",
+        f"{args.speedup:g}, seed{'s' if len(args.seeds) > 1 else ''} {seeds})",
         "",
         f"{platform.machine()}, {os.cpu_count()} cores, no GPU; {wall_s:.0f} s. Ratios to one gateway at the "
         "same rate (bars: throughput ≥ 0.97, p99 TTFT ≤ 1.2).",
@@ -166,17 +182,40 @@ def markdown(rows: Sequence[dict[str, Any]], args: argparse.Namespace, wall_s: f
         f"Peers exchanging summaries: {'yes' if args.peers else 'no'}"
         f"{' (mirror off)' if args.peers and args.no_peer_mirror else ''}.",
         "",
-        "| rate | R | foreign_load | throughput tok/s | × one | p99 TTFT s | × one | failed |",
-        "|---|---|---|---|---|---|---|---|",
+        "| rate | seed | R | foreign_load | throughput tok/s | × one | p99 TTFT s | × one | failed |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        one = next(r for r in rows if r["rate"] == row["rate"] and r["replicas"] == 1)
+        one = _one(rows, row)
         lines.append(
-            f"| {row['rate']} | {row['replicas']} | {row['mode']} | {row['throughput_tokens_s']:.0f} | "
+            f"| {row['rate']} | {row['seed']} | {row['replicas']} | {row['mode']} "
+            f"| {row['throughput_tokens_s']:.0f} | "
             f"{row['throughput_tokens_s'] / one['throughput_tokens_s']:.3f} | {row['ttft_p99_s']:.2f} | "
             f"{row['ttft_p99_s'] / one['ttft_p99_s']:.2f} | {row['failed']} |"
         )
+    if len(args.seeds) > 1:
+        lines += [
+            "",
+            "Over the seeds (per-seed ratios to one gateway: mean ± standard error, min–max):",
+            "",
+            "| rate | R | foreign_load | seeds | throughput × one | min–max | p99 TTFT × one | min–max |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        keys = dict.fromkeys((r["rate"], r["replicas"], r["mode"]) for r in rows if r["replicas"] > 1)
+        for rate, replicas, mode in keys:
+            mine = [r for r in rows if (r["rate"], r["replicas"], r["mode"]) == (rate, replicas, mode)]
+            thr = [r["throughput_tokens_s"] / _one(rows, r)["throughput_tokens_s"] for r in mine]
+            p99 = [r["ttft_p99_s"] / _one(rows, r)["ttft_p99_s"] for r in mine]
+            lines.append(
+                f"| {rate} | {replicas} | {mode} | {len(mine)} | {_mean_se(thr)} "
+                f"| {min(thr):.3f}–{max(thr):.3f} | {_mean_se(p99)} | {min(p99):.2f}–{max(p99):.2f} |"
+            )
     return "\n".join(lines) + "\n"
+
+
+def _mean_se(values: Sequence[float]) -> str:
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.3f} ± {se:.3f}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -197,8 +236,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--modes", default="off,scaled_excess")
     ap.add_argument("--speedup", type=float, default=2.0)
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--seeds", type=parse_seeds, default="1", help="workload seeds: 1,2,3 or a range 1-6 (default: 1)"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--tag", default="", help="appended to the output files' stem")
     args = ap.parse_args(argv)
     rates = [math.inf if r == "inf" else float(r) for r in args.rates.split(",")]
     counts = [int(r) for r in args.replicas.split(",")]
@@ -207,15 +249,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     rows = []
     for rate in rates:
-        for replicas in counts:
-            for mode in ["off"] if replicas == 1 else args.modes.split(","):
-                row = asyncio.run(run_one(replicas, mode, rate, args))
-                rows.append(row)
-                print(
-                    f"{row['rate']:>4} R={replicas} {mode:14s} {row['throughput_tokens_s']:8.0f} tok/s  "
-                    f"p99 TTFT {row['ttft_p99_s']:.2f} s  failed {row['failed']}",
-                    flush=True,
-                )
+        for k, seed in enumerate(args.seeds):
+            for replicas in counts if k % 2 == 0 else counts[::-1]:
+                for mode in ["off"] if replicas == 1 else args.modes.split(","):
+                    row = asyncio.run(run_one(replicas, mode, rate, seed, args))
+                    rows.append(row)
+                    print(
+                        f"{row['rate']:>4} seed {seed} R={replicas} {mode:14s} "
+                        f"{row['throughput_tokens_s']:8.0f} tok/s  p99 TTFT {row['ttft_p99_s']:.2f} s  "
+                        f"failed {row['failed']}",
+                        flush=True,
+                    )
     wall_s = time.perf_counter() - started
     text = markdown(rows, args, wall_s)
     print(text)
@@ -226,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stem = "replicas_gateway_peers_hint" if args.peer_hint else "replicas_gateway_peers"
         if args.no_peer_mirror:
             stem += "_nomirror"
+    if args.tag:
+        stem += f"_{args.tag}"
     (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     (args.out / f"{stem}.md").write_text(text)
     return 0
