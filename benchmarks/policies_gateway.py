@@ -96,13 +96,19 @@ def summarise(work: Sequence[SimRequest], out: Sequence[tuple[float, float, bool
 
 
 async def one_request(
-    session: aiohttp.ClientSession, url: str, req: SimRequest, start: float, speedup: float
+    session: aiohttp.ClientSession,
+    url: str,
+    req: SimRequest,
+    start: float,
+    speedup: float,
+    model: str = MODEL,
 ) -> tuple[float, float, bool]:
-    """(ttft_s, end_s) in model seconds from the request's arrival; ok flag."""
+    """(ttft_s, end_s) in model seconds from the request's arrival; ok flag. ``model``: the served
+    model name the request asks for."""
     await asyncio.sleep(max(0.0, start + req.arrival_s / speedup - time.monotonic()))
     sent = time.monotonic()
     body = {
-        "model": MODEL,
+        "model": model,
         "prompt": filler_prompt(req.input_tokens, req.request_id),  # no shared prefix
         "max_tokens": req.output_tokens,
         "ignore_eos": True,

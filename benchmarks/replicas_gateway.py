@@ -7,8 +7,13 @@ Writes ``replicas_gateway.json`` and ``replicas_gateway.md`` (``replicas_gateway
 ``--peer-hint``, ``replicas_gateway_peers.*`` with ``--peers``, ``replicas_gateway_peers_hint.*`` with
 both).
 
-The fleet, workload and client are ``policies_gateway.py``'s (paper-a: Llama-3-8B on V100 TP4 and
-TP1, a seeded ShareGPT-like workload replayed open-loop at ``--speedup``); every gateway runs the
+The workload and client are ``policies_gateway.py``'s (a seeded ShareGPT-like workload replayed
+open-loop at ``--speedup``); ``--scenarios`` picks the fleets (one ``hetroute emulate`` per instance of
+the simulator's scenario: paper-a, Llama-3-8B on V100 TP4 and TP1; paper-b, a 14B model on four V100
+TP2 and one A800; mixed, Llama-3-8B on H100, 2 A100, 2 L4 and a T4 TP2). ``--known``: ``prior``, the
+gateways' config names each backend's GPU and TP (the catalog's roofline prior); ``nothing``, the
+emulators serve an uncatalogued model name and the config names no GPU or TP (the neutral default,
+live learning on as by default). Every gateway runs the
 ``default`` policy with the given ``scrape.foreign_load`` mode (``server.replicas`` left at 1, the
 default a user gets; ``--peer-hint`` sets it to R) and scrapes every ``1 / speedup`` s.
 With ``--peers`` the gateways also exchange summaries over UDP on 127.0.0.1 (``peers``,
@@ -46,7 +51,6 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from policies_gateway import (  # noqa: E402
-    BACKENDS,
     HETROUTE,
     MODEL,
     free_port,
@@ -60,6 +64,8 @@ from replicas import parse_seeds  # noqa: E402
 from hetroute.sim.workload import generate_workload  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+THROUGHPUT_BAR = 0.97
+P99_BAR = 1.2
 
 
 async def _spawn(*cmd: str, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
@@ -75,38 +81,41 @@ def _udp_port() -> int:
         return port
 
 
+UNKNOWN_MODEL = "house-llm"
+"""The served-model name of the ``nothing`` runs: no catalog entry matches it."""
+
+
+def fleet_instances(scenario: str) -> list[tuple[str, str, str, int]]:
+    """(name, GPU, model, TP) of every instance of the simulator's ``scenario``."""
+    from hetroute.sim.cluster_file import build_fleet
+    from hetroute.sim.scenarios import get_scenario
+
+    fleet = build_fleet(get_scenario(scenario).cluster())
+    return [(b.name, str(b.gpu), b.models[0], int(b.tp or 1)) for b in fleet.backends]
+
+
 async def run_one(
-    replicas: int, mode: str, rate: float, seed: int, args: argparse.Namespace
+    scenario: str, known: str, replicas: int, mode: str, rate: float, seed: int, args: argparse.Namespace
 ) -> dict[str, Any]:
     """One run: fresh emulators and ``replicas`` gateways; the workload spread round robin."""
     procs: list[asyncio.subprocess.Process] = []
     tmp = Path(tempfile.mkdtemp(prefix="hetroute-replicas-"))
     try:
         backends = []
-        for name, tp in BACKENDS:
+        served = MODEL
+        for name, gpu, model, tp in fleet_instances(scenario):
             port = free_port()
+            served = model if known == "prior" else UNKNOWN_MODEL
+            rename = [] if known == "prior" else ["--served-model-name", UNKNOWN_MODEL]
             procs.append(
-                await _spawn(
-                    *HETROUTE,
-                    "emulate",
-                    "--gpu",
-                    "V100-SXM2-32GB",
-                    "--model",
-                    MODEL,
-                    "--tp",
-                    str(tp),
-                    "--port",
-                    str(port),
-                    "--speedup",
-                    str(args.speedup),
-                    "--seed",
-                    "1",
-                )  # fmt: skip
-            )
-            backends.append(
-                {"name": name, "url": f"http://127.0.0.1:{port}", "engine": "vllm", "models": [MODEL]}
-                | {"gpu": "V100-SXM2-32GB", "tp": tp}
-            )
+                await _spawn(*HETROUTE, "emulate", "--gpu", gpu, "--model", model, "--tp", str(tp),
+                             "--port", str(port), "--speedup", str(args.speedup), "--seed", "1", *rename)
+            )  # fmt: skip
+            entry: dict[str, Any] = {"name": name, "url": f"http://127.0.0.1:{port}", "engine": "vllm"}
+            entry["models"] = [served]
+            if known == "prior":
+                entry.update(gpu=gpu, tp=tp)
+            backends.append(entry)
         gateways = []
         udp = [_udp_port() for _ in range(replicas)]
         env = {**os.environ, "HETROUTE_PEER_KEY": "replicas-gateway-benchmark"}
@@ -147,12 +156,16 @@ async def run_one(
             start = time.monotonic()
             out = await asyncio.gather(
                 *(
-                    one_request(session, f"{gateways[k % replicas]}/v1/completions", req, start, args.speedup)
+                    one_request(
+                        session, f"{gateways[k % replicas]}/v1/completions", req, start, args.speedup, served
+                    )
                     for k, req in enumerate(work)
                 )
             )
         summary = summarise(work, out)
         return {
+            "scenario": scenario,
+            "known": known,
             "replicas": replicas,
             "mode": mode,
             "rate": "inf" if math.isinf(rate) else f"{rate:g}",
@@ -163,53 +176,70 @@ async def run_one(
         await stop_processes(procs)
 
 
+def _cell(row: dict[str, Any]) -> tuple[str, str, str]:
+    return row.get("scenario", "paper-a"), row.get("known", "prior"), row["rate"]
+
+
 def _one(rows: Sequence[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any]:
-    """The one-gateway run of ``row``'s rate and seed."""
-    return next(
-        r for r in rows if r["rate"] == row["rate"] and r["seed"] == row["seed"] and r["replicas"] == 1
-    )
+    """The one-gateway run of ``row``'s scenario, starting point, rate and seed."""
+    return next(r for r in rows if _cell(r) == _cell(row) and r["seed"] == row["seed"] and r["replicas"] == 1)
 
 
 def markdown(rows: Sequence[dict[str, Any]], args: argparse.Namespace, wall_s: float) -> str:
     seeds = ", ".join(str(s) for s in args.seeds)
     lines = [
-        f"# Router replicas through real gateways (paper-a, {args.requests} requests, speedup "
-        f"{args.speedup:g}, seed{'s' if len(args.seeds) > 1 else ''} {seeds})",
+        f"# Router replicas through real gateways ({', '.join(args.scenarios)}; {args.requests} requests, "
+        f"speedup {args.speedup:g}, seed{'s' if len(args.seeds) > 1 else ''} {seeds})",
         "",
-        f"{platform.machine()}, {os.cpu_count()} cores, no GPU; {wall_s:.0f} s. Ratios to one gateway at the "
-        "same rate (bars: throughput ≥ 0.97, p99 TTFT ≤ 1.2).",
+        f"{platform.machine()}, {os.cpu_count()} cores, no GPU; {wall_s:.0f} s. Ratios to one gateway on the "
+        "same fleet, starting point, rate and seed (bars: throughput ≥ 0.97, p99 TTFT ≤ 1.2). `prior`: "
+        "the config names each backend's GPU and TP; `nothing`: an uncatalogued model name, no GPU or TP, "
+        "live learning on. Every gateway, the emulators and the client share this machine's cores.",
         "",
         f"Peers exchanging summaries: {'yes' if args.peers else 'no'}"
         f"{' (mirror off)' if args.peers and args.no_peer_mirror else ''}.",
         "",
-        "| rate | seed | R | foreign_load | throughput tok/s | × one | p99 TTFT s | × one | failed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| scenario | known | rate | seed | R | foreign_load | throughput tok/s | × one | p99 TTFT s | × one "
+        "| failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         one = _one(rows, row)
+        scenario, known, rate = _cell(row)
         lines.append(
-            f"| {row['rate']} | {row['seed']} | {row['replicas']} | {row['mode']} "
+            f"| {scenario} | {known} | {rate} | {row['seed']} | {row['replicas']} | {row['mode']} "
             f"| {row['throughput_tokens_s']:.0f} | "
             f"{row['throughput_tokens_s'] / one['throughput_tokens_s']:.3f} | {row['ttft_p99_s']:.2f} | "
             f"{row['ttft_p99_s'] / one['ttft_p99_s']:.2f} | {row['failed']} |"
         )
-    if len(args.seeds) > 1:
-        lines += [
-            "",
-            "Over the seeds (per-seed ratios to one gateway: mean ± standard error, min–max):",
-            "",
-            "| rate | R | foreign_load | seeds | throughput × one | min–max | p99 TTFT × one | min–max |",
-            "|---|---|---|---|---|---|---|---|",
+    lines += [
+        "",
+        "Per cell over the seeds (per-seed ratios to one gateway: mean ± standard error, min–max; "
+        "✗ where a mean misses a bar):",
+        "",
+        "| scenario | known | rate | R | foreign_load | seeds | throughput × one | min–max | p99 TTFT × one "
+        "| min–max |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    keys = dict.fromkeys((*_cell(r), r["replicas"], r["mode"]) for r in rows if r["replicas"] > 1)
+    met = 0
+    for scenario, known, rate, replicas, mode in keys:
+        mine = [
+            r
+            for r in rows
+            if (*_cell(r), r["replicas"], r["mode"]) == (scenario, known, rate, replicas, mode)
         ]
-        keys = dict.fromkeys((r["rate"], r["replicas"], r["mode"]) for r in rows if r["replicas"] > 1)
-        for rate, replicas, mode in keys:
-            mine = [r for r in rows if (r["rate"], r["replicas"], r["mode"]) == (rate, replicas, mode)]
-            thr = [r["throughput_tokens_s"] / _one(rows, r)["throughput_tokens_s"] for r in mine]
-            p99 = [r["ttft_p99_s"] / _one(rows, r)["ttft_p99_s"] for r in mine]
-            lines.append(
-                f"| {rate} | {replicas} | {mode} | {len(mine)} | {_mean_se(thr)} "
-                f"| {min(thr):.3f}–{max(thr):.3f} | {_mean_se(p99)} | {min(p99):.2f}–{max(p99):.2f} |"
-            )
+        thr = [r["throughput_tokens_s"] / _one(rows, r)["throughput_tokens_s"] for r in mine]
+        p99 = [r["ttft_p99_s"] / _one(rows, r)["ttft_p99_s"] for r in mine]
+        ok = statistics.mean(thr) >= THROUGHPUT_BAR and statistics.mean(p99) <= P99_BAR
+        met += ok
+        lines.append(
+            f"| {scenario} | {known} | {rate} | {replicas} | {mode} | {len(mine)} | {_mean_se(thr)} "
+            f"| {min(thr):.3f}–{max(thr):.3f} | {_mean_se(p99)} | {min(p99):.2f}–{max(p99):.2f}"
+            f"{'' if ok else ' ✗'} |"
+        )
+    failed = sum(r["failed"] for r in rows)
+    lines += ["", f"- {met}/{len(keys)} cells meet both bars; {failed} requests failed in all."]
     return "\n".join(lines) + "\n"
 
 
@@ -220,6 +250,10 @@ def _mean_se(values: Sequence[float]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument(
+        "--scenarios", default="paper-a", help="fleets: paper-a, paper-b, mixed (default: paper-a)"
+    )
+    ap.add_argument("--known", default="prior", help="starting points: prior, nothing (default: prior)")
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--rates", default="24,inf")
     ap.add_argument("--replicas", default="1,2,4")
@@ -242,20 +276,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tag", default="", help="appended to the output files' stem")
     args = ap.parse_args(argv)
+    args.scenarios = args.scenarios.split(",")
+    args.known = args.known.split(",")
+    if bad := [k for k in args.known if k not in ("prior", "nothing")]:
+        raise SystemExit(f"--known: {bad[0]!r} is neither prior nor nothing")
+    for scenario in args.scenarios:
+        fleet_instances(scenario)  # an unknown scenario fails here, before anything starts
     rates = [math.inf if r == "inf" else float(r) for r in args.rates.split(",")]
     counts = [int(r) for r in args.replicas.split(",")]
     if 1 not in counts:
         raise SystemExit("--replicas must include 1 (the reference)")
     started = time.perf_counter()
     rows = []
-    for rate in rates:
+    cells = [(s, k, r) for s in args.scenarios for k in args.known for r in rates]
+    for scenario, known, rate in cells:
         for k, seed in enumerate(args.seeds):
             for replicas in counts if k % 2 == 0 else counts[::-1]:
                 for mode in ["off"] if replicas == 1 else args.modes.split(","):
-                    row = asyncio.run(run_one(replicas, mode, rate, seed, args))
+                    row = asyncio.run(run_one(scenario, known, replicas, mode, rate, seed, args))
                     rows.append(row)
                     print(
-                        f"{row['rate']:>4} seed {seed} R={replicas} {mode:14s} "
+                        f"{scenario} {known} {row['rate']:>4} seed {seed} R={replicas} {mode:14s} "
                         f"{row['throughput_tokens_s']:8.0f} tok/s  p99 TTFT {row['ttft_p99_s']:.2f} s  "
                         f"failed {row['failed']}",
                         flush=True,
