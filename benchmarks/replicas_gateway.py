@@ -37,6 +37,7 @@ import json
 import math
 import os
 import platform
+import re
 import socket
 import statistics
 import sys
@@ -162,6 +163,8 @@ async def run_one(
                     for k, req in enumerate(work)
                 )
             )
+            await asyncio.sleep(1.0)  # the gateways' held metrics are flushed every 0.25 s
+            split = await dispatch_split(session, gateways)
         summary = summarise(work, out)
         return {
             "scenario": scenario,
@@ -171,9 +174,26 @@ async def run_one(
             "rate": "inf" if math.isinf(rate) else f"{rate:g}",
             "seed": seed,
             **{k: summary[k] for k in ("completed", "failed", "throughput_tokens_s", "ttft_p99_s")},
+            "requests_by_backend": split,
         }
     finally:
         await stop_processes(procs)
+
+
+_REQUESTS_LINE = re.compile(r'^hetroute_requests_total\{[^}]*backend="([^"]+)"[^}]*\} ([0-9.eE+]+)$')
+
+
+async def dispatch_split(session: aiohttp.ClientSession, gateways: Sequence[str]) -> dict[str, int]:
+    """Finished requests per backend, summed over the gateways' ``hetroute_requests_total``."""
+    split: dict[str, int] = {}
+    for g in gateways:
+        async with session.get(f"{g}/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            text = await r.text()
+        for line in text.splitlines():
+            m = _REQUESTS_LINE.match(line)
+            if m is not None:
+                split[m.group(1)] = split.get(m.group(1), 0) + int(float(m.group(2)))
+    return dict(sorted(split.items()))
 
 
 def _cell(row: dict[str, Any]) -> tuple[str, str, str]:
@@ -200,8 +220,8 @@ def markdown(rows: Sequence[dict[str, Any]], args: argparse.Namespace, wall_s: f
         f"{' (mirror off)' if args.peers and args.no_peer_mirror else ''}.",
         "",
         "| scenario | known | rate | seed | R | foreign_load | throughput tok/s | × one | p99 TTFT s | × one "
-        "| failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| failed | requests per backend |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         one = _one(rows, row)
@@ -210,7 +230,8 @@ def markdown(rows: Sequence[dict[str, Any]], args: argparse.Namespace, wall_s: f
             f"| {scenario} | {known} | {rate} | {row['seed']} | {row['replicas']} | {row['mode']} "
             f"| {row['throughput_tokens_s']:.0f} | "
             f"{row['throughput_tokens_s'] / one['throughput_tokens_s']:.3f} | {row['ttft_p99_s']:.2f} | "
-            f"{row['ttft_p99_s'] / one['ttft_p99_s']:.2f} | {row['failed']} |"
+            f"{row['ttft_p99_s'] / one['ttft_p99_s']:.2f} | {row['failed']} "
+            f"| {', '.join(f'{b} {n}' for b, n in row.get('requests_by_backend', {}).items())} |"
         )
     lines += [
         "",
