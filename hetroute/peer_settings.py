@@ -53,8 +53,9 @@ class PeersConfig:
     - ``stale_after_s``: how long a received summary counts (at least ``interval_s``).
     - ``max_observations``: completions carried per summary at most (the newest).
     - ``mirror``: between a peer's summaries, count the change this replica made since that summary
-      (over the last 2 × ``interval_s``) as that peer's too (:mod:`hetroute.routing.peer_mirror`): a
-      burst that every replica takes at once is then counted before any summary can arrive.
+      (over at most the last :func:`mirror_follow_s`) as that peer's too
+      (:mod:`hetroute.routing.peer_mirror`): a burst that every replica takes at once is then counted
+      before any summary can arrive.
     """
 
     addresses: Annotated[tuple[tuple[str, int], ...], Reader(_addresses)] = ()
@@ -69,11 +70,22 @@ class PeersConfig:
     @property
     def follow_s(self) -> float:
         """How far back a replica mirrors its own changes onto a peer (0: ``mirror`` off)."""
-        return 2.0 * self.interval_s if self.mirror else 0.0
+        return mirror_follow_s(self.interval_s, self.stale_after_s) if self.mirror else 0.0
 
     @property
     def enabled(self) -> bool:
         return bool(self.addresses)
+
+
+def mirror_follow_s(interval_s: float, stale_after_s: float) -> float:
+    """How far back the mirror follows this replica's own change onto a peer since that peer's summary:
+    ``max(2 × interval_s, stale_after_s / 3)``. A peer with something new sends a summary within
+    ``interval_s``, but the newest one held can be as old as a heartbeat (``stale_after_s / 3``) when
+    the peer has sent nothing since, or when its event loop or this one is busy with a burst: through
+    real gateways (paper-a, rate ∞, 4 replicas on 2 cores) summaries arrived later than 2 ×
+    ``interval_s``, the window cut the mirror short, and each replica undercounted the others' share of
+    the burst (docs/replicas.md)."""
+    return max(2.0 * interval_s, stale_after_s / 3.0)
 
 
 def check_peers(cfg: PeersConfig, key: str | None, workers: int) -> None:

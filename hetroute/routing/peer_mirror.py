@@ -11,10 +11,12 @@ Service every replica receives a like share of the traffic and decides on a like
 change is estimated as this replica's own net change over the same span: for peer ``p`` whose summary
 arrived at ``r_p``, ``own(last) − own(max(r_p, now − follow_s))`` (requests in flight and the ledger's
 six rows, as they stood after this replica's last dispatch or release and at that instant), with
-``follow_s`` = 2 × ``interval_s``. Summed over the current peers and added to their summaries, clamped
-at zero. In steady state a replica's net change over a few ms is near zero, so this adds little; in a
-burst (every replica dispatching at once, before any summary can arrive) it counts the others'
-dispatches, which the summaries alone cannot (the simulator's rate-∞ cells: docs/replicas.md).
+``follow_s`` = max(2 × ``interval_s``, a heartbeat) (:func:`hetroute.peer_settings.mirror_follow_s`:
+under a burst a busy event loop sends and reads summaries late). Summed over the current peers and
+added to their summaries, clamped at zero. In steady state a replica's net change over a few ms is
+near zero, so this adds little; in a burst (every replica dispatching at once, before any summary can
+arrive) it counts the others' dispatches, which the summaries alone cannot (the simulator's rate-∞
+cells: docs/replicas.md).
 
 Every dispatch and release is marked (two array copies, about 1 µs), so ``own(t)`` is exact at every
 instant; the generated-token growth of the requests in flight between them is not mirrored (a peer's

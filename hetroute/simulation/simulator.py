@@ -26,6 +26,7 @@ from hetroute.errors import ConfigError
 from hetroute.learning.build import build_live_models
 from hetroute.learning.live import LiveModels
 from hetroute.learning.settings import LearningConfig
+from hetroute.peer_settings import mirror_follow_s
 from hetroute.policies import PolicyContext, build_policy
 from hetroute.policies.backend_model import BackendModels
 from hetroute.prefix.settings import PrefixConfig
@@ -181,7 +182,7 @@ def run_simulation(
         if peer_interval_s > 0 and replicas > 1:
             names = [b.name for b in fleet.backends]
             stale_s = DEFAULT_STALE_INTERVALS * peer_interval_s
-            follow_s = 2.0 * peer_interval_s if peer_mirror else 0.0
+            follow_s = mirror_follow_s(peer_interval_s, stale_s) if peer_mirror else 0.0
             peers = PeerView(f"replica-{r}", names, stale_s, follow_s)
         return _build_router(fleet, policy, models, clock, holder, learning, prefix, foreign, hint, peers)
 

@@ -67,7 +67,7 @@ async def test_replicas_see_each_others_requests_and_learn_from_each_others_comp
     one = await gateway([a], env=env, policy={"type": "default"}, peers=_peers(p1, p2))
     two = await gateway([a], env=env, policy={"type": "default"}, peers=_peers(p2, p1, p2))  # itself too
     peers = one.app[ROUTER].peers
-    assert peers is not None and peers.follow_s == pytest.approx(2 * 0.05)  # the mirror, on by default
+    assert peers is not None and peers.follow_s == pytest.approx(0.5 / 3)  # mirror on: a heartbeat
     async with aiohttp.ClientSession() as s:
         sent = [asyncio.create_task(_long_request(s, one)) for _ in range(3)]
         assert await eventually(lambda: one.ledger.in_flight() == 3, WAIT_S)

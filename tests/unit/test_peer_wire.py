@@ -181,11 +181,14 @@ def test_the_peers_section_is_validated_naming_the_field() -> None:
         assert caught.value.path.startswith(field), (section, caught.value)
 
 
-def test_the_mirror_follows_twice_the_interval_unless_turned_off() -> None:
+def test_the_mirror_follows_twice_the_interval_or_a_heartbeat_unless_turned_off() -> None:
     env = {"HETROUTE_PEER_KEY": "s3cr3t-peer-key"}
     section: dict[str, Any] = {"addresses": ["10.0.0.2:9000"], "interval_s": 0.004}
     on = config_from_dict({"backends": BACKENDS, "peers": section}, env=env)
-    assert on.peers.mirror and on.peers.follow_s == pytest.approx(0.008)
+    # the default stale_after_s (0.25 s): a heartbeat every 83 ms is longer than 2 x 4 ms
+    assert on.peers.mirror and on.peers.follow_s == pytest.approx(0.25 / 3)
+    short = config_from_dict({"backends": BACKENDS, "peers": {**section, "stale_after_s": 0.015}}, env=env)
+    assert short.peers.follow_s == pytest.approx(0.008)  # a heartbeat every 5 ms: twice the interval
     off = config_from_dict({"backends": BACKENDS, "peers": {**section, "mirror": False}}, env=env)
     assert not off.peers.mirror and off.peers.follow_s == 0.0
     with pytest.raises(ConfigError) as caught:
