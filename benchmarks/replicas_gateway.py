@@ -51,6 +51,7 @@ import aiohttp
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from admission_gateway import UNKNOWN_MODEL, fleet_of  # noqa: E402
 from policies_gateway import (  # noqa: E402
     HETROUTE,
     MODEL,
@@ -82,17 +83,9 @@ def _udp_port() -> int:
         return port
 
 
-UNKNOWN_MODEL = "house-llm"
-"""The served-model name of the ``nothing`` runs: no catalog entry matches it."""
-
-
 def fleet_instances(scenario: str) -> list[tuple[str, str, str, int]]:
     """(name, GPU, model, TP) of every instance of the simulator's ``scenario``."""
-    from hetroute.sim.cluster_file import build_fleet
-    from hetroute.sim.scenarios import get_scenario
-
-    fleet = build_fleet(get_scenario(scenario).cluster())
-    return [(b.name, str(b.gpu), b.models[0], int(b.tp or 1)) for b in fleet.backends]
+    return [(b.name, str(b.gpu), b.models[0], int(b.tp or 1)) for b in fleet_of(scenario).backends]
 
 
 async def run_one(
