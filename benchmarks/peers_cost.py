@@ -14,7 +14,12 @@ default policy, 8 × n requests in flight), with the router wired as the gateway
 - one summary: ``Router.publish`` + :func:`~hetroute.routing.peer_wire.encode` (the sender, every
   ``peers.interval_s``), its size, and :func:`~hetroute.routing.peer_wire.decode` + ``Router.receive``
   (each receiver), with 20 observations in it (a busy interval's completions; ``receive`` feeds them
-  to the learner), and a receiver's cost for a summary without completions.
+  to the learner), and a receiver's cost for a summary without completions;
+- ``PeerChannel.poll`` (run before every decision, peer_channel.py) on a real UDP socket on 127.0.0.1:
+  when its interval has passed and nothing is waiting or due (one ``recvfrom`` that finds nothing and
+  the due check), and within its interval (a clock read and a comparison). When a summary is waiting
+  or due, a poll adds the receive or send costs above: that work moved from the event loop's reader and
+  send loop into the decision, at most once per ``interval_s``.
 
 p50 (and p99 for the decision) in microseconds, one core, ``time.perf_counter_ns``.
 """
@@ -22,6 +27,7 @@ p50 (and p99 for the decision) in microseconds, one core, ``time.perf_counter_ns
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import platform
 import sys
@@ -35,9 +41,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decision_latency import fleet  # noqa: E402
 
+from hetroute.backends.dns import make_resolver  # noqa: E402
 from hetroute.clock import ManualClock  # noqa: E402
+from hetroute.dns_settings import DnsConfig  # noqa: E402
 from hetroute.learning.build import build_live_models  # noqa: E402
 from hetroute.learning.settings import LearningConfig  # noqa: E402
+from hetroute.peer_channel import PeerChannel  # noqa: E402
+from hetroute.peer_settings import PeersConfig  # noqa: E402
 from hetroute.policies import PolicyContext, build_policy  # noqa: E402
 from hetroute.policies.backend_model import BackendModels  # noqa: E402
 from hetroute.routing.ledger import Ledger  # noqa: E402
@@ -97,6 +107,32 @@ def _decisions_us(
     return out
 
 
+async def _poll_us(router: Router, clock: ManualClock, polls: int) -> tuple[float, float]:
+    """p50 of ``PeerChannel.poll`` when it runs (interval passed, nothing waiting or due) and when it
+    is skipped (within its interval), on a real socket."""
+    cfg = PeersConfig(addresses=(("127.0.0.1", 9),), listen_host="127.0.0.1", listen_port=1)
+    channel = PeerChannel(router, cfg, KEY, make_resolver(DnsConfig()))
+    channel.listen = ("127.0.0.1", 0)  # any free port
+    await channel.start()
+    try:
+        channel.router.publish()  # nothing due from here on (the clock stays within a heartbeat)
+        runs, skips = [], []
+        for _ in range(polls):
+            clock.set(clock.now() + cfg.interval_s)
+            t0 = time.perf_counter_ns()
+            channel.poll()
+            t1 = time.perf_counter_ns()
+            channel.poll()
+            t2 = time.perf_counter_ns()
+            runs.append((t1 - t0) / 1e3)
+            skips.append((t2 - t1) / 1e3)
+            if router.summary_due(cfg.stale_after_s / 3):
+                router.publish()
+        return float(np.median(runs)), float(np.median(skips))
+    finally:
+        channel.close()
+
+
 def measure(n: int, decisions: int, peers: int) -> dict[str, float]:
     clock = ManualClock(10.0)
     alone = _router(n, None, clock)
@@ -148,6 +184,7 @@ def measure(n: int, decisions: int, peers: int) -> dict[str, float]:
         t0 = time.perf_counter_ns()
         me.receive(decode(data, KEY))
         empty_us.append((time.perf_counter_ns() - t0) / 1e3)
+    poll_us, poll_skip_us = asyncio.run(_poll_us(me, clock, 2000))
     for t in held:
         alone.release(t)
     for t in mine:
@@ -166,6 +203,8 @@ def measure(n: int, decisions: int, peers: int) -> dict[str, float]:
         "receive_p50_us": float(np.median(recv_us)),
         "receive_empty_p50_us": float(np.median(empty_us)),
         "datagram_bytes": float(np.median(sizes)),
+        "poll_p50_us": poll_us,
+        "poll_skipped_p50_us": poll_skip_us,
     }
 
 
@@ -188,18 +227,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"release, default policy, 8 requests in flight per backend, with {args.peers} current peer "
         f"summaries or none, and with them and `peers.mirror` (the default). One summary: publish + "
         f"encode (sender), decode + receive (each receiver), "
-        f"{OBSERVATIONS} completions in it.",
+        f"{OBSERVATIONS} completions in it. Poll: `PeerChannel.poll` before a decision, when its "
+        "interval has passed with nothing waiting or due, and within its interval.",
         "",
         "| backends | decision p50 / p99 | with peers p50 / p99 | with peers and mirror p50 / p99 "
-        "| send p50 | receive p50 | receive p50, no completions | datagram bytes |",
-        "|---|---|---|---|---|---|---|---|",
+        "| send p50 | receive p50 | receive p50, no completions | datagram bytes | poll p50 "
+        "| poll p50, skipped |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n, r in rows.items():
         lines.append(
             f"| {n} | {r['route_release_p50_us']:.1f} / {r['route_release_p99_us']:.1f} | "
             f"{r['with_peers_p50_us']:.1f} / {r['with_peers_p99_us']:.1f} | "
             f"{r['with_mirror_p50_us']:.1f} / {r['with_mirror_p99_us']:.1f} | {r['send_p50_us']:.0f} | "
-            f"{r['receive_p50_us']:.0f} | {r['receive_empty_p50_us']:.0f} | {r['datagram_bytes']:.0f} |"
+            f"{r['receive_p50_us']:.0f} | {r['receive_empty_p50_us']:.0f} | {r['datagram_bytes']:.0f} | "
+            f"{r['poll_p50_us']:.1f} | {r['poll_skipped_p50_us']:.2f} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

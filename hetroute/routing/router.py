@@ -121,6 +121,10 @@ class Router:
         self._changes_published = 0
         self._published_at_s = -math.inf
         self._decide_started = 0.0  # timer reading at the start of the last decide()
+        self.before_decide: Callable[[], None] | None = None
+        """Called at the start of every :meth:`decide`, before the snapshot: the peer channel's ``poll``
+        (take the summaries waiting in its socket and send this router's when one is due), so that the
+        replicas exchange summaries while a burst keeps every event loop busy (peer_channel.py)."""
         self._backends_changed()
 
     def _backends_changed(self) -> None:
@@ -368,6 +372,8 @@ class Router:
         if not serving:
             raise UnknownModel(features.model)
         self._decide_started = self._timer()
+        if self.before_decide is not None:
+            self.before_decide()
         snap, available = self._snapshot(features)
         cand_set, candidates = self._candidates(serving, available, exclude)
         if not cand_set:

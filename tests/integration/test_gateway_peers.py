@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from typing import Any
 
 import aiohttp
@@ -14,6 +15,7 @@ import pytest
 from hetroute.app import PEERS, ROUTER
 from hetroute.routing.peer_wire import encode
 from hetroute.routing.peers import PeerSummary
+from hetroute.types import RequestFeatures
 from tests.conftest import MODEL, EmulateFn, Gateway, GatewayFn, eventually, metric_sum
 
 SPEEDUP = 4.0
@@ -112,3 +114,68 @@ async def test_forged_and_garbled_datagrams_change_nothing(emulate: EmulateFn, g
     assert int(gw.app[ROUTER].snapshot().requests_in_flight[0]) == 0
     peers = gw.app[ROUTER].peers
     assert peers is not None and peers.received_total == 0
+
+
+def _busy(seconds: float) -> None:
+    """Keep the event loop busy for ``seconds`` (a burst's handlers, which never await meanwhile)."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        pass
+
+
+def _features(k: int) -> RequestFeatures:
+    return RequestFeatures(f"busy-{k}", MODEL, "openai", 100, 50, 50)
+
+
+async def test_a_busy_event_loop_still_exchanges_summaries_at_each_decision(
+    emulate: EmulateFn, gateway: GatewayFn
+) -> None:
+    """A burst keeps the event loop from running its reader and send loop; the decisions themselves
+    send and take the summaries (``PeerChannel.poll`` before each, at most once per ``interval_s``).
+    Here the loop never runs between the dispatches and the decision that sees them."""
+    a = await emulate(name="a", speedup=SPEEDUP)
+    p1, p2 = _udp_ports(2)
+    env = {"HETROUTE_PEER_KEY": KEY}
+    one = await gateway([a], env=env, policy={"type": "default"}, peers=_peers(p1, p2))
+    two = await gateway([a], env=env, policy={"type": "default"}, peers=_peers(p2, p1))
+    router_one, router_two = one.app[ROUTER], two.app[ROUTER]
+    assert router_one.before_decide == one.app[PEERS].poll
+    assert await eventually(lambda: router_two.peers.received_total > 0, WAIT_S)  # type: ignore[union-attr]
+    # From here to the end of the burst nothing awaits: the event loop is as blocked as in a burst.
+    received = router_two.peers.received_total  # type: ignore[union-attr]
+    _busy(0.06)  # > interval_s (0.05): the next decision of each replica polls
+    tickets = [router_one.route(_features(k)) for k in range(3)]  # the first polls, the others do not
+    _busy(0.06)
+    router_one.decide(_features(3))  # polls: sends replica one's summary, 3 requests in flight
+    _busy(0.01)  # loopback delivery into replica two's socket
+    assert router_two.peers.received_total == received  # type: ignore[union-attr]  # nobody read it yet
+    _, snap = router_two.decide(_features(4))  # polls: reads it before the snapshot
+    assert router_two.peers.received_total > received  # type: ignore[union-attr]
+    assert int(snap.requests_in_flight[0]) == 3
+    _, again = router_two.decide(_features(5))  # within interval_s: no poll, the same view
+    assert int(again.requests_in_flight[0]) == 3
+    for ticket in tickets:
+        assert router_one.release(ticket)
+    assert one.ledger.is_zero() and two.ledger.is_zero()
+
+
+async def test_closing_the_channel_unhooks_it_from_the_router(emulate: EmulateFn, gateway: GatewayFn) -> None:
+    a = await emulate(name="a", speedup=SPEEDUP)
+    (port,) = _udp_ports(1)
+    gw = await gateway(
+        [a], env={"HETROUTE_PEER_KEY": KEY}, policy={"type": "default"}, peers=_peers(port, port)
+    )
+    channel, router = gw.app[PEERS], gw.app[ROUTER]
+
+    def hook() -> object:
+        return router.before_decide
+
+    assert hook() == channel.poll
+    channel.close()
+    assert hook() is None
+    router.decide(_features(0))  # decides without the channel
+    counted = dict(channel.results)
+    _busy(0.06)
+    channel.poll()  # a closed channel's poll reads and sends nothing
+    channel.close()  # twice is harmless
+    assert dict(channel.results) == counted
