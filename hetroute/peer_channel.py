@@ -121,10 +121,15 @@ class PeerChannel:
             return
         self._polled_at_s = now
         self._readable()
+        self._send_if_due()
+
+    def _send_if_due(self) -> None:
+        """Send this replica's summary if one is due; a failure is counted and logged, never raised (one
+        bad summary must neither fail a request nor stop the exchange)."""
         try:
             if self.router.summary_due(self._heartbeat_s):
                 self.send()
-        except Exception:  # never let one bad summary fail a request
+        except Exception:
             self._count("send_failed")
             log.exception("peer channel: a summary could not be sent")
 
@@ -167,12 +172,7 @@ class PeerChannel:
             if clock.now() - resolved_at >= self.cfg.resolve_interval_s:
                 resolved_at = clock.now()
                 await self.resolve()
-            try:
-                if self.router.summary_due(self._heartbeat_s):
-                    self.send()
-            except Exception:  # never let one bad summary stop the exchange
-                self._count("send_failed")
-                log.exception("peer channel: a summary could not be sent")
+            self._send_if_due()
             await sleep(self.cfg.interval_s)
 
     async def resolve(self) -> None:
