@@ -102,9 +102,11 @@ async def one_request(
     start: float,
     speedup: float,
     model: str = MODEL,
+    routed: dict[str, str] | None = None,
 ) -> tuple[float, float, bool]:
     """(ttft_s, end_s) in model seconds from the request's arrival; ok flag. ``model``: the served
-    model name the request asks for."""
+    model name the request asks for; ``routed``: where given, gets the backend the router named
+    (``x-hetroute-backend``) under the request's id."""
     await asyncio.sleep(max(0.0, start + req.arrival_s / speedup - time.monotonic()))
     sent = time.monotonic()
     body = {
@@ -117,6 +119,8 @@ async def one_request(
     first = math.nan
     try:
         async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=600)) as r:
+            if routed is not None:
+                routed[req.request_id] = r.headers.get("x-hetroute-backend", "")
             if r.status != 200:
                 await r.read()
                 return math.nan, math.nan, False
