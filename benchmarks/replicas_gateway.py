@@ -28,7 +28,9 @@ ends when its last long answers do, so one workload's ratio moves by several per
 Each run also records the backend each request was sent to (``x-hetroute-backend``) and replays that
 dispatch through the engine model of each instance with nothing else running (``replay``): the
 "replayed" throughput is what the dispatch itself gives, so a ratio that moves with this machine's load
-can be told from one the routing caused.
+can be told from one the routing caused. ``--pool A.json B.json ...`` runs nothing and writes the
+per-cell table over the runs of several result files (``replicas_gateway_pooled[_TAG].md``), each run
+compared with the one-gateway run of its own file and seed.
 
 Caveat: on a 2-core machine the gateways, both emulators and this client share the CPU, and more
 gateways mean more processes competing for it: say so with the numbers.
@@ -255,8 +257,16 @@ def _cell(row: dict[str, Any]) -> tuple[str, str, str]:
 
 
 def _one(rows: Sequence[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any]:
-    """The one-gateway run of ``row``'s scenario, starting point, rate and seed."""
-    return next(r for r in rows if _cell(r) == _cell(row) and r["seed"] == row["seed"] and r["replicas"] == 1)
+    """The one-gateway run of ``row``'s scenario, starting point, rate and seed (in the same file when
+    ``--pool`` gathered several: its ``batch``)."""
+    return next(
+        r
+        for r in rows
+        if _cell(r) == _cell(row)
+        and r["seed"] == row["seed"]
+        and r["replicas"] == 1
+        and r.get("batch", 0) == row.get("batch", 0)
+    )
 
 
 def markdown(rows: Sequence[dict[str, Any]], args: argparse.Namespace, wall_s: float) -> str:
@@ -288,8 +298,14 @@ def markdown(rows: Sequence[dict[str, Any]], args: argparse.Namespace, wall_s: f
             f"| {', '.join(f'{b} {n}' for b, n in row.get('requests_by_backend', {}).items())} "
             f"| {_replayed(row):.0f} | {_replayed(row) / _replayed(one):.3f} |"
         )
-    lines += [
-        "",
+    lines += ["", *cell_table(rows)]
+    return "\n".join(lines) + "\n"
+
+
+def cell_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Per cell (fleet, starting point, rate, R, mode): the per-seed ratios to one gateway over the
+    runs in ``rows``, as mean ± standard error and min–max, and whether the means meet the bars."""
+    lines = [
         "Per cell over the seeds (per-seed ratios to one gateway: mean ± standard error, min–max; "
         "✗ where a mean misses a bar):",
         "",
@@ -307,13 +323,14 @@ def markdown(rows: Sequence[dict[str, Any]], args: argparse.Namespace, wall_s: f
         ]
         thr = [r["throughput_tokens_s"] / _one(rows, r)["throughput_tokens_s"] for r in mine]
         p99 = [r["ttft_p99_s"] / _one(rows, r)["ttft_p99_s"] for r in mine]
-        replayed = [_replayed(r) / _replayed(_one(rows, r)) for r in mine]
+        replayed = [x for r in mine if math.isfinite(x := _replayed(r) / _replayed(_one(rows, r)))]
         ok = statistics.mean(thr) >= THROUGHPUT_BAR and statistics.mean(p99) <= P99_BAR
         met += ok
         lines.append(
             f"| {scenario} | {known} | {rate} | {replicas} | {mode} | {len(mine)} | {_mean_se(thr)} "
             f"| {min(thr):.3f}–{max(thr):.3f} | {_mean_se(p99)} | {min(p99):.2f}–{max(p99):.2f}"
-            f"{'' if ok else ' ✗'} | {_mean_se(replayed)} |"
+            f"{'' if ok else ' ✗'} | {_mean_se(replayed) if replayed else 'not recorded'}"
+            f"{f' ({len(replayed)} runs)' if replayed and len(replayed) < len(mine) else ''} |"
         )
     failed = sum(r["failed"] for r in rows)
     lines += [
@@ -321,9 +338,25 @@ def markdown(rows: Sequence[dict[str, Any]], args: argparse.Namespace, wall_s: f
         f"- {met}/{len(keys)} cells meet both bars; {failed} requests failed in all.",
         "- Replayed: the engine model of each instance run on the requests the gateways sent it, with "
         "nothing else (`replay`): the throughput the dispatch itself gives, apart from this machine's "
-        "shared cores (NaN in files written before it was recorded).",
+        "shared cores (files written before it was recorded have none).",
     ]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def pooled(paths: Sequence[Path]) -> str:
+    """``cell_table`` over the runs of several result files (``--pool``), each file's runs compared
+    with its own one-gateway runs."""
+    rows: list[dict[str, Any]] = []
+    lines = ["# Router replicas through real gateways: runs pooled over several files", ""]
+    for k, path in enumerate(paths):
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        a = doc["args"]
+        lines.append(
+            f"- `{path.name}`: {len(doc['results'])} runs; {', '.join(a['scenarios'])}, rates {a['rates']}, "
+            f"seeds {a['seeds']}, speedup {a['speedup']:g}, peers {'on' if a['peers'] else 'off'}"
+        )
+        rows += [r | {"batch": k} for r in doc["results"]]
+    return "\n".join([*lines, "", *cell_table(rows)]) + "\n"
 
 
 def _replayed(row: Mapping[str, Any]) -> float:
@@ -362,7 +395,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tag", default="", help="appended to the output files' stem")
+    ap.add_argument(
+        "--pool",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: the per-cell table over the runs of these result files, each run compared "
+        "with the one-gateway run of its own file and seed; written to --out as "
+        "replicas_gateway_pooled[_TAG].md",
+    )
     args = ap.parse_args(argv)
+    if args.pool:
+        text = pooled(args.pool)
+        print(text)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"replicas_gateway_pooled{'_' + args.tag if args.tag else ''}.md").write_text(text)
+        return 0
     args.scenarios = args.scenarios.split(",")
     args.known = args.known.split(",")
     if bad := [k for k in args.known if k not in ("prior", "nothing")]:
