@@ -25,7 +25,8 @@ to one gateway at the same rate and seed (issue 14's bars: ≥ 0.97 and ≤ 1.2)
 and the ratios are also given as mean ± standard error over the seeds: a 400-request burst at rate ∞
 ends when its last long answers do, so one workload's ratio moves by several per cent from run to run.
 
-Each run also records the backend each request was sent to (``x-hetroute-backend``) and replays that
+Each run also records the backend each request was sent to (``x-hetroute-backend``; counted over the
+completed requests, the run's requests per backend) and replays that
 dispatch through the engine model of each instance with nothing else running (``replay``): the
 "replayed" throughput is what the dispatch itself gives, so a ratio that moves with this machine's load
 can be told from one the routing caused. ``--pool A.json B.json ...`` runs nothing and writes the
@@ -44,13 +45,12 @@ import json
 import math
 import os
 import platform
-import re
 import socket
 import statistics
 import sys
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -218,9 +218,9 @@ async def run_one(
                     for k, req in enumerate(work)
                 )
             )
-            await asyncio.sleep(1.0)  # the gateways' held metrics are flushed every 0.25 s
-            split = await dispatch_split(session, gateways)
         summary = summarise(work, out)
+        done = [r for r, o in zip(work, out, strict=True) if o[2]]
+        split = Counter(routed[r.request_id] for r in done)
         return {
             "scenario": scenario,
             "known": known,
@@ -229,27 +229,11 @@ async def run_one(
             "rate": "inf" if math.isinf(rate) else f"{rate:g}",
             "seed": seed,
             **{k: summary[k] for k in ("completed", "failed", "throughput_tokens_s", "ttft_p99_s")},
-            "requests_by_backend": split,
-            "replayed": replay(scenario, [r for r, o in zip(work, out, strict=True) if o[2]], routed),
+            "requests_by_backend": dict(sorted(split.items())),
+            "replayed": replay(scenario, done, routed),
         }
     finally:
         await stop_processes(procs)
-
-
-_REQUESTS_LINE = re.compile(r'^hetroute_requests_total\{[^}]*backend="([^"]+)"[^}]*\} ([0-9.eE+]+)$')
-
-
-async def dispatch_split(session: aiohttp.ClientSession, gateways: Sequence[str]) -> dict[str, int]:
-    """Finished requests per backend, summed over the gateways' ``hetroute_requests_total``."""
-    split: dict[str, int] = {}
-    for g in gateways:
-        async with session.get(f"{g}/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
-            text = await r.text()
-        for line in text.splitlines():
-            m = _REQUESTS_LINE.match(line)
-            if m is not None:
-                split[m.group(1)] = split.get(m.group(1), 0) + int(float(m.group(2)))
-    return dict(sorted(split.items()))
 
 
 def _cell(row: dict[str, Any]) -> tuple[str, str, str]:
