@@ -58,6 +58,7 @@ from hetroute.policies.minmax_scalar import (
     ListCache,
     choose_forced,
     choose_scalar,
+    output_bound,
 )
 from hetroute.types import ClusterSnapshot, FloatArray, IntArray, RequestFeatures, RoutingDecision
 
@@ -70,7 +71,7 @@ EXPLORE_SHARE = 0.02
 EXPLORE_MIN_SAMPLES = 3
 """Default ``explore_min_samples``: observations after which a backend is no longer explored."""
 EXPLORE_MAX_OUTPUT_TOKENS = 256
-"""Default ``explore_max_output_tokens``: only requests predicted this short are used as probes."""
+"""Default ``explore_max_output_tokens``: only requests this short (``output_bound``) are used as probes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,9 +369,9 @@ class MinMaxPolicy:
     ) -> int | None:
         """The candidate to explore instead of ``chosen``, or None (bounded, decaying, cheap exploration).
 
-        Only with a learned model (``snapshot.model_samples``), only for a short request (predicted
-        output ≤ ``explore_max_output_tokens``) and only onto an idle backend, so a probe of a slow
-        backend costs a short request a few seconds at most and never queues behind anything: the
+        Only with a learned model (``snapshot.model_samples``), only for a short request (its
+        :func:`output_bound` ≤ ``explore_max_output_tokens``) and only onto an idle backend, so a probe
+        of a slow backend costs a short request a few seconds at most and never queues behind anything: the
         idle candidate with the fewest observations, n, is taken with probability
         ``explore_share · (1 − n / explore_min_samples)`` when n < ``explore_min_samples`` and it is not
         already the choice. Each backend thus gets at most about ``explore_min_samples`` such probes,
@@ -382,7 +383,7 @@ class MinMaxPolicy:
             self.explore_share <= 0.0
             or samples is None
             or candidates.size < 2
-            or features.predicted_output_tokens > self.explore_max_output_tokens
+            or output_bound(features) > self.explore_max_output_tokens
         ):
             return None
         idle = snapshot.requests_in_flight[candidates] == 0

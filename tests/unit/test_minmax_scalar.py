@@ -135,7 +135,12 @@ def _case(
     second = MinMaxPolicy("p", models, random.Random(seed), **kwargs)
     chosen = [rng.randrange(n)] if one else sorted(rng.sample(range(n), rng.randint(1, n)))
     features = RequestFeatures(
-        "r", "m", "openai", rng.choice([0, 1, 37, 900, 20_000]), None, rng.choice([1, 16, 300, 4000])
+        "r",
+        "m",
+        "openai",
+        rng.choice([0, 1, 37, 900, 20_000]),
+        rng.choice([None, None, 1, 300, 5000]),
+        rng.choice([1, 16, 300, 4000]),
     )
     return first, second, snap, np.array(chosen, dtype=np.int64), features, kwargs
 

@@ -23,7 +23,7 @@ from hetroute.policies.backend_model import (
 from hetroute.policies.workload_minmax import MAX_EXPONENT, MinMaxPolicy
 from hetroute.routing.ledger import Ledger
 from hetroute.routing.router import Router
-from hetroute.types import BackendSpec, ClusterSnapshot, EngineMetrics, RequestFeatures
+from hetroute.types import BackendSpec, ClusterSnapshot, EngineMetrics, RequestFeatures, RoutingDecision
 
 # A "fast" backend: 4x cheaper steps, 8x the KV of the "slow" one (the paper's TP4 vs TP1 shape).
 FAST = LatencyParams(p1=1e-5, p2=1e-3, p3=2e-5, p4=5e-3, p5=1e-8, p6=2e-5, p7=1e-7, p8=5e-3)
@@ -442,3 +442,30 @@ def test_paper_kv_signal_uses_dispatch_time_predictions() -> None:
     cap = np.array([1000.0, 1000.0])
     assert list(kv_usage(snap, idx, cap, "paper")) == [0.5, 0.3]
     assert list(kv_usage(snap, idx, cap, "ledger")) == [1.0, 0.3]
+
+
+@pytest.mark.parametrize("path", ["scalar", "array"])
+@pytest.mark.parametrize(
+    ("max_tokens", "explored"),
+    [(None, True), (100, True), (256, True), (257, False), (4096, False)],
+)
+def test_an_exploration_probe_is_bounded_by_the_clients_max_tokens(
+    path: str, max_tokens: int | None, explored: bool
+) -> None:
+    # The slow backend has no observations and is idle, and every eligible request is explored
+    # (explore_share 1): a request predicted short (100 tokens) is a probe unless its max_tokens says
+    # it may run past explore_max_output_tokens (256).
+    policy = minmax("balanced_minmax", explore_share=1.0)
+    s = snap(TWO)._replace(
+        latency_params=policy.models.params, model_samples=np.array([50.0, 0.0], dtype=np.float64)
+    )
+    r = req(200, 100)._replace(max_tokens=max_tokens)
+    plain = minmax("balanced_minmax", explore_share=0.0)
+
+    def choose(p: MinMaxPolicy) -> RoutingDecision:
+        return p.choose(r, s, BOTH) if path == "scalar" else p.choose_vectorised(r, s, BOTH)
+
+    assert choose(plain).index == 0  # the fast backend, without exploration
+    decision = choose(policy)
+    assert (decision.index == 1) is explored
+    assert decision.reason.startswith("explore") is explored
