@@ -46,10 +46,23 @@ BACKENDS = (("v100-tp4", 4), ("v100-tp1", 1))
 ADMIN_TOKEN = "bench"
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports this benchmark process has already handed out (see :func:`free_port`)."""
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free TCP port on 127.0.0.1 that this process has not handed out before. A port is free when
+    picked but is bound only when the server started on it is up, so without the record a later pick
+    could return a port an emulator is still starting on: the gateway given it then failed to bind,
+    and the client talked straight to that emulator (seen once)."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no free port that was not handed out already")
 
 
 async def wait_ready(session: aiohttp.ClientSession, url: str, timeout_s: float = 60.0) -> None:

@@ -201,7 +201,7 @@ async def run_one(
             for b in backends:
                 await wait_ready(session, f"{b['url']}/health")
             for g in gateways:
-                await wait_ready(session, f"{g}/v1/models")
+                await wait_ready(session, f"{g}/ready")  # a gateway's own route, which emulators lack
             start = time.monotonic()
             routed: dict[str, str] = {}
             out = await asyncio.gather(
@@ -221,6 +221,8 @@ async def run_one(
         summary = summarise(work, out)
         done = [r for r, o in zip(work, out, strict=True) if o[2]]
         split = Counter(routed[r.request_id] for r in done)
+        if "" in split:  # answered by something other than a gateway: the run measures nothing
+            raise RuntimeError(f"{split['']} requests answered without x-hetroute-backend")
         return {
             "scenario": scenario,
             "known": known,
