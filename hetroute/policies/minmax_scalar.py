@@ -104,9 +104,9 @@ class MinMaxSettings(Protocol):
 def output_bound(features: RequestFeatures) -> int:
     """The most output tokens the request is expected to run to, for choosing exploration probes: the
     client's ``max_tokens`` when it set one (a hard cap: the predictor's estimate is clamped to it, and a
-    request predicted short may still run to it), else the predicted output. A probe bounded this way
-    costs at most its cap on the probed backend; one chosen on the prediction alone was seen running
-    to 477 tokens on an emulated L4 and setting the makespan of a 400-request run (mixed, 24 req/s)."""
+    request predicted short may still run to it), else the predicted output. With ``max_tokens`` set, a
+    probe therefore runs at most ``explore_max_output_tokens`` tokens on the probed backend
+    (docs/learning.md)."""
     cap = features.max_tokens
     return features.predicted_output_tokens if cap is None else cap
 
