@@ -408,25 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if 1 not in counts:
         raise SystemExit("--replicas must include 1 (the reference)")
     started = time.perf_counter()
-    rows = []
-    cells = [(s, k, r) for s in args.scenarios for k in args.known for r in rates]
-    for scenario, known, rate in cells:
-        for k, seed in enumerate(args.seeds):
-            for replicas in counts if k % 2 == 0 else counts[::-1]:
-                for mode in ["off"] if replicas == 1 else args.modes.split(","):
-                    row = asyncio.run(run_one(scenario, known, replicas, mode, rate, seed, args))
-                    rows.append(row)
-                    print(
-                        f"{scenario} {known} {row['rate']:>4} seed {seed} R={replicas} {mode:14s} "
-                        f"{row['throughput_tokens_s']:8.0f} tok/s  p99 TTFT {row['ttft_p99_s']:.2f} s  "
-                        f"failed {row['failed']}",
-                        flush=True,
-                    )
-    wall_s = time.perf_counter() - started
-    text = markdown(rows, args, wall_s)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    doc = {"benchmark": "replicas_gateway", "args": vars(args) | {"out": str(args.out)}, "results": rows}
+    rows: list[dict[str, Any]] = []
     stem = "replicas_gateway_peer_hint" if args.peer_hint else "replicas_gateway"
     if args.peers:
         stem = "replicas_gateway_peers_hint" if args.peer_hint else "replicas_gateway_peers"
@@ -434,7 +416,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             stem += "_nomirror"
     if args.tag:
         stem += f"_{args.tag}"
-    (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        """Every run so far, written after each one: a batch stopped early keeps what it measured."""
+        doc = {"benchmark": "replicas_gateway", "args": vars(args) | {"out": str(args.out)}, "results": rows}
+        (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+
+    cells = [(s, k, r) for s in args.scenarios for k in args.known for r in rates]
+    for scenario, known, rate in cells:
+        for k, seed in enumerate(args.seeds):
+            for replicas in counts if k % 2 == 0 else counts[::-1]:
+                for mode in ["off"] if replicas == 1 else args.modes.split(","):
+                    row = asyncio.run(run_one(scenario, known, replicas, mode, rate, seed, args))
+                    rows.append(row)
+                    save()
+                    print(
+                        f"{scenario} {known} {row['rate']:>4} seed {seed} R={replicas} {mode:14s} "
+                        f"{row['throughput_tokens_s']:8.0f} tok/s  p99 TTFT {row['ttft_p99_s']:.2f} s  "
+                        f"(replayed {row['replayed']['throughput_tokens_s']:.0f} tok/s, "
+                        f"p99 TTFT {row['replayed']['ttft_p99_s']:.2f} s)  failed {row['failed']}",
+                        flush=True,
+                    )
+    wall_s = time.perf_counter() - started
+    text = markdown(rows, args, wall_s)
+    print(text)
+    save()
     (args.out / f"{stem}.md").write_text(text)
     return 0
 
