@@ -441,8 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall_s = time.perf_counter() - started
     text = markdown(rows, args, wall_s)
     print(text)
-    save()
-    (args.out / f"{stem}.md").write_text(text)
+    (args.out / f"{stem}.md").write_text(text)  # the JSON was written after the last run
     return 0
 
 
