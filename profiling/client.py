@@ -101,6 +101,16 @@ def _finish_reason(event: Mapping[str, Any]) -> str | None:
     return None
 
 
+async def _post(session: aiohttp.ClientSession, url: str, body: Mapping[str, Any]) -> aiohttp.ClientResponse:
+    """``POST`` ``body``; the response once its head arrived. Sent again once when the server closed the
+    socket before answering: a pooled keep-alive socket the engine closed as idle just as it was reused
+    (the engine never read the request). A dead engine fails the second try as well."""
+    try:
+        return await session.post(url, json=body)
+    except aiohttp.ServerDisconnectedError:
+        return await session.post(url, json=body)
+
+
 async def stream_request(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -116,7 +126,7 @@ async def stream_request(
     completion_tokens: int | None = None
     finish: str | None = None
     chunks = 0
-    async with session.post(base_url.rstrip("/") + path, json=body) as resp:
+    async with await _post(session, base_url.rstrip("/") + path, body) as resp:
         try:
             if resp.status != 200:
                 raise RequestFailed(resp.status, _error_text(await resp.read()))

@@ -187,22 +187,26 @@ async def _run_batch(
         for _ in range(shape.batch)
     ]
     started = clock.now()
+    # Plain tasks and asyncio.wait, not a TaskGroup: on Python 3.11 a TaskGroup whose child fails while
+    # the parent waits leaves its own cancel of the parent counted, so a failed batch could not be told
+    # from a Ctrl-C. Here an outside cancel (or the timeout) arrives as itself at the ``wait``.
+    tasks = [
+        asyncio.create_task(stream_request(session, base, p, body, clock, started)) for p, body in bodies
+    ]
     try:
-        async with asyncio.timeout(limit_s), asyncio.TaskGroup() as tg:
-            tasks = [
-                tg.create_task(stream_request(session, base, p, body, clock, started)) for p, body in bodies
-            ]
-    except ExceptionGroup as group:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            # Cancelled from outside (Ctrl-C), and a request raised as it was torn down: on Python
-            # 3.11 the TaskGroup then raises that error, not CancelledError. It is still a
-            # cancellation; as a failed batch the sweep would go on with the next one.
-            raise asyncio.CancelledError from group
-        first = group.exceptions[0]
-        if isinstance(first, RequestFailed | aiohttp.ClientError | TimeoutError):
-            raise BatchFailed(f"{type(first).__name__}: {first}") from first
-        raise
+        async with asyncio.timeout(limit_s):
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()  # no-op on the finished ones; the rest close their responses (engine aborts)
+        await asyncio.wait(tasks)
+    for task in tasks:
+        exc = None if task.cancelled() else task.exception()
+        if exc is None:
+            continue
+        if isinstance(exc, RequestFailed | aiohttp.ClientError | TimeoutError):
+            raise BatchFailed(f"{type(exc).__name__}: {exc}") from exc
+        raise exc
     return BatchRecord(shape=shape, requests=tuple(t.result() for t in tasks))
 
 
