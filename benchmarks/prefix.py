@@ -20,7 +20,9 @@ them with nothing known (house model names), which the README's claims also cove
     python benchmarks/prefix.py --part gateway        # through the gateway (about 35 minutes)
     python benchmarks/prefix.py --part sim --render   # summarise the saved rows again, running nothing
 
-Writes benchmarks/results/prefix_{sim,gateway}.json and .md.
+Writes benchmarks/results/prefix_{sim,gateway}.json and .md. The JSON is rewritten after every run
+(``"complete": false`` until the last), so a run stopped early keeps what it measured; ``--render``
+turns it into the tables.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +107,10 @@ def sim_run(fleet: Any, workload: Sequence[Any], policy: str, learning: bool) ->
     }
 
 
-def sim_part(args: argparse.Namespace) -> list[dict[str, Any]]:
+def sim_part(
+    args: argparse.Namespace, on_row: Callable[[list[dict[str, Any]]], None]
+) -> list[dict[str, Any]]:
+    """Every run of the simulator table; ``on_row`` gets the rows so far after each run."""
     rows: list[dict[str, Any]] = []
     workloads = [w for w in args.workloads if w != "mooncake" or TRACE.is_file()]
     for fleet_name in args.fleets:
@@ -125,6 +130,7 @@ def sim_part(args: argparse.Namespace) -> list[dict[str, Any]]:
                         row = sim_run(fleet, wl, policy, True)
                         row.update(fleet=fleet_name, workload=kind, load=load, rate=rate, seed=seed)
                         rows.append(row)
+                        on_row(rows)
                         print(
                             f"  {kind:14s} load {load:.2f} ({rate:5.2f}/s) seed {seed} {policy:18s} "
                             f"{row['throughput_tok_s']:9,.0f} tok/s  ttft p50 {row['ttft_p50_s']:7.3f} "
@@ -155,6 +161,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         best_thr = max(med[p]["throughput_tok_s"] for p in base) if base else math.nan
         best_p99 = min(med[p]["ttft_p99_s"] for p in base) if base else math.nan
         best_hit = max(med[p]["engine_hit_rate"] for p in base) if base else math.nan
+        no_prefix = med.get("default-no-prefix", dict.fromkeys(METRICS, math.nan))  # absent mid-run
         out.append(
             {
                 "fleet": key[0],
@@ -164,8 +171,8 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "thr_vs_best_baseline": d["throughput_tok_s"] / best_thr,
                 "p99_vs_best_baseline": d["ttft_p99_s"] / best_p99,
                 "hit_vs_best_baseline": d["engine_hit_rate"] / best_hit if best_hit > 0 else math.nan,
-                "thr_vs_no_prefix": d["throughput_tok_s"] / med["default-no-prefix"]["throughput_tok_s"],
-                "p99_vs_no_prefix": d["ttft_p99_s"] / med["default-no-prefix"]["ttft_p99_s"],
+                "thr_vs_no_prefix": d["throughput_tok_s"] / no_prefix["throughput_tok_s"],
+                "p99_vs_no_prefix": d["ttft_p99_s"] / no_prefix["ttft_p99_s"],
             }
         )
     return out
@@ -225,20 +232,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     RESULTS.mkdir(exist_ok=True)
     stem = args.out or RESULTS / f"prefix_{args.part}{'_blind' if args.blind else ''}"
+
+    def save(rows: list[dict[str, Any]]) -> None:
+        """The rows so far, written after each run: a benchmark stopped early keeps what it measured."""
+        payload = json.dumps({"rows": rows, "summary": summarise(rows), "complete": False}, indent=1)
+        Path(f"{stem}.json").write_text(payload, encoding="utf-8")
+
     if args.render:
         rows = json.loads(Path(f"{stem}.json").read_text(encoding="utf-8"))["rows"]
         title = f"Prefix-aware routing {'in the simulator' if args.part == 'sim' else 'through the gateway'}"
         title += " (nothing known)" if args.blind else ""
     elif args.part == "sim":
-        rows = sim_part(args)
+        rows = sim_part(args, save)
         title = "Prefix-aware routing in the simulator" + (" (nothing known)" if args.blind else "")
     else:
         from prefix_gateway import gateway_part
 
-        rows = gateway_part(args)
+        rows = gateway_part(args, save)
         title = "Prefix-aware routing through the gateway"
     summary = summarise(rows)
-    payload = json.dumps({"rows": rows, "summary": summary}, indent=1)
+    payload = json.dumps({"rows": rows, "summary": summary, "complete": True}, indent=1)
     Path(f"{stem}.json").write_text(payload, encoding="utf-8")
     text = markdown(summary, title)
     Path(f"{stem}.md").write_text(text, encoding="utf-8")

@@ -17,6 +17,7 @@ import math
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +160,10 @@ async def one_run(
     }
 
 
-def gateway_part(args: argparse.Namespace) -> list[dict[str, Any]]:
+def gateway_part(
+    args: argparse.Namespace, on_row: Callable[[list[dict[str, Any]]], None]
+) -> list[dict[str, Any]]:
+    """Every run through the gateway; ``on_row`` gets the rows so far after each run."""
     from prefix import MAX_MODEL_LEN, POLICIES, fleet_of, mean_tokens, sim_run, workload_of
 
     rows: list[dict[str, Any]] = []
@@ -181,6 +185,7 @@ def gateway_part(args: argparse.Namespace) -> list[dict[str, Any]]:
                             policy=policy, fleet=fleet_name, workload=kind, load=load, rate=rate, seed=seed
                         )
                         rows.append(row)
+                        on_row(rows)
                         print(
                             f"  {kind:14s} load {load:.2f} seed {seed} {policy:18s} "
                             f"{row['throughput_tok_s']:9,.0f} tok/s  ttft p50 {row['ttft_p50_s']:7.3f} "
