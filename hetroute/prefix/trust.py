@@ -11,6 +11,15 @@ cache (evictions the router did not see, another router replica's traffic, a res
 with α = :data:`TRUST_RATE`. The cost model counts ``trust_b · matched_b`` tokens as cached. ``trust`` stays
 1 for engines without the counters (TGI, OpenAI-compatible servers) and starts at 1. A counter that
 went down (engine restart) resets the baseline and the index's entries for that backend.
+
+The engine counts a hit when it schedules the request, the router predicts it at dispatch, so hits
+lag their predictions by the engine's queueing. Two rules keep that lag from reading as an index that
+over-estimates: scrapes whose prediction is still under ``MIN_PREDICTED_TOKENS`` fold into the next
+window on *both* sides (hits and predictions accumulate together), and hits beyond a window's
+prediction are carried into the next window (at most one window's prediction), where they count
+against the predictions they belong to. Without them, a lightly used backend whose index is exact
+lost every hit counted in a short window, and a busy one read 0.5 then 1.0 (clamped from 1.5) for
+late hits, and so trusted its exact index less than fully.
 """
 
 from __future__ import annotations
@@ -29,11 +38,12 @@ TRUST_FLOOR = 0.05
 class CacheTrust:
     """Per-backend trust in the prefix index, fed by dispatches and scrapes (see module docstring)."""
 
-    __slots__ = ("_trust", "_predicted", "_last_hits", "_last_metrics", "_view")
+    __slots__ = ("_trust", "_predicted", "_late_hits", "_last_hits", "_last_metrics", "_view")
 
     def __init__(self, backends: int) -> None:
         self._trust: FloatArray = np.ones(backends, dtype=np.float64)
         self._predicted = [0.0] * backends
+        self._late_hits = [0.0] * backends  # hits beyond the last window's prediction, carried over
         self._last_hits: list[float | None] = [None] * backends
         self._last_metrics: list[EngineMetrics | None] = [None] * backends
         self._view: FloatArray = self._frozen()
@@ -43,11 +53,13 @@ class CacheTrust:
         if backend == len(self._predicted):
             self._trust = np.append(self._trust, 1.0)
             self._predicted.append(0.0)
+            self._late_hits.append(0.0)
             self._last_hits.append(None)
             self._last_metrics.append(None)
         else:
             self._trust[backend] = 1.0
             self._predicted[backend] = 0.0
+            self._late_hits[backend] = 0.0
             self._last_hits[backend] = None
             self._last_metrics[backend] = None
         self._view = self._frozen()
@@ -75,17 +87,18 @@ class CacheTrust:
         if hits is None or not math.isfinite(hits):
             return False
         last = self._last_hits[backend]
-        self._last_hits[backend] = hits
-        if last is None:
+        if last is None or hits < last:  # first scrape, or a restart: a new baseline
+            self._last_hits[backend] = hits
             self._predicted[backend] = 0.0
-            return False
-        if hits < last:
-            self._predicted[backend] = 0.0
-            return True
+            self._late_hits[backend] = 0.0
+            return last is not None
         predicted = self._predicted[backend]
         if predicted < MIN_PREDICTED_TOKENS:
-            return False
-        ratio = min(max((hits - last) / predicted, 0.0), 1.0)
+            return False  # the window goes on: hits and predictions keep accumulating
+        self._last_hits[backend] = hits
+        counted = hits - last + self._late_hits[backend]
+        ratio = min(counted / predicted, 1.0)
+        self._late_hits[backend] = min(counted - predicted, predicted) if counted > predicted else 0.0
         old = float(self._trust[backend])
         self._trust[backend] = max(TRUST_FLOOR, (1.0 - TRUST_RATE) * old + TRUST_RATE * ratio)
         self._predicted[backend] = 0.0

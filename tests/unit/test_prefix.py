@@ -150,6 +150,40 @@ def test_trust_falls_when_the_engine_hits_less_than_predicted_and_resets_on_rest
         trust.trust[0] = 1.0  # read-only view
 
 
+def test_trust_stays_full_when_an_exact_index_sees_its_hits_late_or_in_small_windows() -> None:
+    # The engine counts a hit when it schedules the request, the router predicts it at dispatch: on a
+    # busy backend hits lag their predictions, on a lightly used one a window's prediction is small.
+    # Neither is an index that over-estimates, so an exact index keeps full trust.
+    trust = CacheTrust(2)
+    for b in (0, 1):
+        trust.scraped(b, _metrics(0.0))  # baselines
+    small = MIN_PREDICTED_TOKENS * 0.6
+    hits = [0.0, 0.0]
+    for k in range(40):
+        trust.predicted(0, small)  # one short cached prefix per window, hit in the next window
+        if k > 0:
+            hits[0] += small
+        trust.scraped(0, _metrics(hits[0]))
+        trust.predicted(1, 1000.0)  # busy: the hits of a window arrive half in it, half in the next
+        hits[1] += 500.0 if k % 2 == 0 else 1500.0
+        trust.scraped(1, _metrics(hits[1]))
+    # (the first window reads its lag as a miss; 20 windows later that has faded)
+    assert trust.trust[0] == pytest.approx(1.0, abs=1e-3)
+    assert trust.trust[1] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_late_hits_carry_over_at_most_one_window() -> None:
+    trust = CacheTrust(1)
+    trust.scraped(0, _metrics(0.0))
+    trust.predicted(0, 1000.0)
+    trust.scraped(0, _metrics(50_000.0))  # hits from traffic the router did not send (another replica)
+    assert trust.trust[0] == 1.0
+    for k in range(1, 6):  # then nothing the router predicts is hit: one window's carry, then decline
+        trust.predicted(0, 1000.0)
+        trust.scraped(0, _metrics(50_000.0 + 0.0 * k))
+    assert trust.trust[0] == pytest.approx(0.7**4, abs=1e-6)
+
+
 def test_sessions_are_bounded_and_expire() -> None:
     table = SessionTable(max_sessions=2, ttl_s=60.0)
     table.record("a", 1, 0.0)
