@@ -12,9 +12,24 @@ import pytest
 
 from hetroute.clock import MonotonicClock
 from profiling import collect
-from profiling.batches import BatchShape
+from profiling.batches import BatchRecord, BatchShape
 from profiling.calibrate import Calibration, PromptMaker
 from profiling.discover import EngineInfo
+
+
+async def _run_batch(batch: int) -> BatchRecord:
+    """One batch of ``batch`` requests through ``collect._run_batch`` (its requests are the test's fake)."""
+    calibration = Calibration(1.0, 0.0, "exact", True)
+    return await collect._run_batch(
+        None,  # type: ignore[arg-type]  # the fake request never uses the session
+        "http://127.0.0.1:1",
+        EngineInfo("vllm", "m", 100_000, "test"),
+        BatchShape(batch, 16, 16),
+        PromptMaker("t", calibration),
+        "exact",
+        MonotonicClock(),
+        30.0,
+    )
 
 
 async def test_cancelling_a_batch_whose_requests_raise_on_teardown_is_a_cancellation(
@@ -30,20 +45,7 @@ async def test_cancelling_a_batch_whose_requests_raise_on_teardown_is_a_cancella
             raise aiohttp.ServerDisconnectedError() from None  # torn down mid-stream
 
     monkeypatch.setattr(collect, "stream_request", stream_request)
-    info = EngineInfo("vllm", "m", 100_000, "test")
-    calibration = Calibration(1.0, 0.0, "exact", True)
-    batch = asyncio.create_task(
-        collect._run_batch(
-            None,  # type: ignore[arg-type]  # the fake request never uses the session
-            "http://127.0.0.1:1",
-            info,
-            BatchShape(2, 16, 16),
-            PromptMaker("t", calibration),
-            "exact",
-            MonotonicClock(),
-            30.0,
-        )
-    )
+    batch = asyncio.create_task(_run_batch(2))
     await asyncio.wait_for(started.wait(), 5)
     batch.cancel()  # Ctrl-C: asyncio.run cancels the main task
     with pytest.raises(asyncio.CancelledError):
@@ -62,18 +64,7 @@ async def test_requests_failing_while_the_batch_waits_are_a_failed_batch_not_a_c
         raise aiohttp.ServerDisconnectedError()
 
     monkeypatch.setattr(collect, "stream_request", stream_request)
-    info = EngineInfo("vllm", "m", 100_000, "test")
-    calibration = Calibration(1.0, 0.0, "exact", True)
     with pytest.raises(collect.BatchFailed, match="ServerDisconnectedError"):
-        await collect._run_batch(
-            None,  # type: ignore[arg-type]  # the fake request never uses the session
-            "http://127.0.0.1:1",
-            info,
-            BatchShape(3, 16, 16),
-            PromptMaker("t", calibration),
-            "exact",
-            MonotonicClock(),
-            30.0,
-        )
+        await _run_batch(3)
     task = asyncio.current_task()
     assert task is not None and task.cancelling() == 0
