@@ -32,7 +32,7 @@ alone, one core): 28 against 55 µs at 8 backends, about equal at 16, slower bey
 MAX_EXPONENT = 30.0
 """Cap on θ·kvusage: e^30 ≈ 1e13 keeps loads finite and releases exact enough in float64."""
 PREFIX_BALANCE_REL = 0.5
-"""Prefix balance guard: no cache credit on a candidate whose drain time exceeds the least loaded
+"""Prefix balance guard: no cache credit on the candidate whose drain time exceeds every other
 candidate's by more than this (relative) and :data:`PREFIX_BALANCE_ABS_S` (``MinMaxPolicy._cached``)."""
 PREFIX_BALANCE_ABS_S = 2.0
 ONLY_CANDIDATE = "only candidate"
@@ -124,9 +124,19 @@ def _cached(
     else:
         tr = trust.tolist()
         cached = [matched[c] * tr[c] for c in cand]
-    own = [loads[c] for c in cand]
-    limit = min(own) * (1.0 + PREFIX_BALANCE_REL) + PREFIX_BALANCE_ABS_S
-    return [0.0 if load > limit else x for load, x in zip(own, cached, strict=True)]
+    if len(cand) < 2:
+        return cached
+    top = second = -math.inf
+    k_top = 0
+    for k, c in enumerate(cand):
+        load = loads[c]
+        if load > top:
+            top, second, k_top = load, top, k
+        elif load > second:
+            second = load
+    if top > second * (1.0 + PREFIX_BALANCE_REL) + PREFIX_BALANCE_ABS_S:
+        cached[k_top] = 0.0
+    return cached
 
 
 def choose_scalar(

@@ -328,20 +328,25 @@ class MinMaxPolicy:
     def _cached(self, snapshot: ClusterSnapshot, candidates: IntArray) -> FloatArray | None:
         """Estimated cached tokens per candidate for the cost model, or None (no prefix term).
 
-        Balance guard: a candidate whose drain time L_s exceeds the least loaded candidate's by more
+        Balance guard: the candidate whose drain time L_s exceeds every other candidate's by more
         than ``PREFIX_BALANCE_REL`` (relative) and ``PREFIX_BALANCE_ABS_S`` gets no cache credit, so one
-        backend holding a hot prefix cannot keep pulling its requests while the others idle; the next
-        request that goes elsewhere replicates the prefix there (the role of SGLang's balance
-        thresholds, in drain time instead of request counts so that it holds on a mixed fleet)."""
+        backend holding a hot prefix cannot keep pulling its requests into a backlog no other backend
+        has; the next request that goes elsewhere replicates the prefix there (the role of SGLang's
+        balance thresholds, in drain time instead of request counts). The reference is the next
+        busiest candidate, not the least loaded: on a mixed fleet the least loaded is usually a slow
+        backend the latency floor keeps light, and measured against it the fast backends lost their
+        cache credit at every moderate load (docs/prefix.md)."""
         if not self.prefix:
             return None
         cached = snapshot.prefix_cached_tokens(candidates)
-        if cached is None or PREFIX_BALANCE_REL < 0:
+        if cached is None or candidates.size < 2:
             return cached
         loads = snapshot.workload[candidates]
-        over = loads > float(loads.min()) * (1.0 + PREFIX_BALANCE_REL) + PREFIX_BALANCE_ABS_S
-        if over.any():
-            out: FloatArray = np.where(over, 0.0, cached)
+        k = int(np.argmax(loads))
+        second = float(np.partition(loads, -2)[-2])
+        if float(loads[k]) > second * (1.0 + PREFIX_BALANCE_REL) + PREFIX_BALANCE_ABS_S:
+            out: FloatArray = cached.copy()
+            out[k] = 0.0
             return out
         return cached
 

@@ -143,7 +143,8 @@ def test_the_router_records_dispatches_and_counts_only_uncached_prefill() -> Non
 
 
 def test_a_backend_far_busier_than_the_least_loaded_loses_its_cache_credit() -> None:
-    """The balance guard: a hot prefix cannot keep pulling requests onto one backend while others idle."""
+    """The balance guard: a hot prefix cannot keep pulling requests onto one backend far busier than the
+    others."""
     twins = (backend("a", profile(FAST, 400_000)), backend("b", profile(FAST, 400_000)))
     default = policy("balanced_minmax", twins)
     near = with_cache(snap(twins, workload=[0.3, 0.0]), [2000.0, 0.0])
@@ -153,6 +154,33 @@ def test_a_backend_far_busier_than_the_least_loaded_loses_its_cache_credit() -> 
         default.costs(prefixed(), with_cache(busy, [0.0, 0.0]), BOTH)[0].tolist()
     )  # 2.5 s > 0 · 1.5 + 2.0 s: no credit for the cached prompt on the busy backend
     assert default.choose(prefixed(), with_cache(busy, [2000.0, 0.0]), BOTH).index == 1
+
+
+def test_the_guard_measures_against_the_next_busiest_backend_not_an_idle_slow_one() -> None:
+    """On a mixed fleet the latency floor keeps a slow backend light, so its drain time is no measure
+    of balance: two equally busy fast backends keep their cache credit while the slow one idles (the
+    guard measured against the least loaded took it from them). Only a backend far busier than every
+    other loses it."""
+    fleet = (
+        backend("a", profile(FAST, 400_000)),
+        backend("b", profile(FAST, 400_000)),
+        backend("slow", profile(SLOW, 400_000)),
+    )
+    three = np.array([0, 1, 2], dtype=np.int64)
+    default = policy("balanced_minmax", fleet)
+
+    def costs(workload: list[float], matched: list[float]) -> list[float]:
+        return list(default.costs(prefixed(), with_cache(snap(fleet, workload=workload), matched), three)[0])
+
+    busy_pair = [3.0, 3.0, 0.0]
+    assert costs(busy_pair, [2000.0, 0.0, 0.0])[0] < costs(busy_pair, [0.0, 0.0, 0.0])[0]  # credit kept
+    decision = default.choose(
+        prefixed(), with_cache(snap(fleet, workload=busy_pair), [2000.0, 0.0, 0.0]), three
+    )
+    assert decision.index == 0
+    hot = [5.0, 1.0, 0.0]  # 5.0 s > 1.0 · 1.5 + 2.0 s: the one far busier backend loses its credit
+    assert costs(hot, [2000.0, 0.0, 0.0]) == costs(hot, [0.0, 0.0, 0.0])
+    assert costs(hot, [0.0, 2000.0, 0.0])[1] < costs(hot, [0.0, 0.0, 0.0])[1]
 
 
 def test_the_saved_prefill_counts_cache_weight_times_where_the_min_max_is_indifferent() -> None:
