@@ -233,9 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     RESULTS.mkdir(exist_ok=True)
     stem = args.out or RESULTS / f"prefix_{args.part}{'_blind' if args.blind else ''}"
 
-    def save(rows: list[dict[str, Any]]) -> None:
+    def save(rows: list[dict[str, Any]], complete: bool = False) -> None:
         """The rows so far, written after each run: a benchmark stopped early keeps what it measured."""
-        payload = json.dumps({"rows": rows, "summary": summarise(rows), "complete": False}, indent=1)
+        payload = json.dumps({"rows": rows, "summary": summarise(rows), "complete": complete}, indent=1)
         Path(f"{stem}.json").write_text(payload, encoding="utf-8")
 
     if args.render:
@@ -250,10 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         rows = gateway_part(args, save)
         title = "Prefix-aware routing through the gateway"
-    summary = summarise(rows)
-    payload = json.dumps({"rows": rows, "summary": summary, "complete": True}, indent=1)
-    Path(f"{stem}.json").write_text(payload, encoding="utf-8")
-    text = markdown(summary, title)
+    save(rows, complete=True)
+    text = markdown(summarise(rows), title)
     Path(f"{stem}.md").write_text(text, encoding="utf-8")
     print(text)
     return 0

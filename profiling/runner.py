@@ -26,7 +26,9 @@ from profiling.collect import Progress, SweepConfig, SweepResult, plan_sweep, ru
 from profiling.discover import DiscoveryError, EngineInfo, Overrides, discover
 from profiling.fit import FitResult, fit_batches
 
-KEEPALIVE_S = 2.0  # idle client sockets are closed after this, below the engines' keep-alive (5 s)
+KEEPALIVE_S = 2.0
+"""Idle client sockets are closed after this, before the engine closes them (uvicorn, so vLLM, after
+5 s): reusing a socket the engine is closing fails the request."""
 EXIT_OK = 0
 EXIT_REFUSED = 1
 EXIT_BACKEND = 2
@@ -93,8 +95,6 @@ def format_progress(p: Progress, time_scale: float = 1.0) -> str:
 
 def _session(opts: ProfileOptions) -> aiohttp.ClientSession:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=opts.sweep.timeout_s)
-    # Idle sockets are dropped after KEEPALIVE_S, before the engine drops them (uvicorn, so vLLM, closes
-    # idle keep-alive sockets after 5 s): reusing one the engine is closing fails the request.
     connector = aiohttp.TCPConnector(limit=opts.sweep.max_concurrency + 1, keepalive_timeout=KEEPALIVE_S)
     return aiohttp.ClientSession(timeout=timeout, connector=connector)
 

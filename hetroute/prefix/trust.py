@@ -98,7 +98,7 @@ class CacheTrust:
         self._last_hits[backend] = hits
         counted = hits - last + self._late_hits[backend]
         ratio = min(counted / predicted, 1.0)
-        self._late_hits[backend] = min(counted - predicted, predicted) if counted > predicted else 0.0
+        self._late_hits[backend] = min(max(counted - predicted, 0.0), predicted)
         old = float(self._trust[backend])
         self._trust[backend] = max(TRUST_FLOOR, (1.0 - TRUST_RATE) * old + TRUST_RATE * ratio)
         self._predicted[backend] = 0.0
