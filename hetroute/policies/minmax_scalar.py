@@ -35,6 +35,12 @@ PREFIX_BALANCE_REL = 0.5
 """Prefix balance guard: no cache credit on the candidate whose drain time exceeds every other
 candidate's by more than this (relative) and :data:`PREFIX_BALANCE_ABS_S` (``MinMaxPolicy._cached``)."""
 PREFIX_BALANCE_ABS_S = 2.0
+PREFIX_PENDING_REL = 0.5
+"""Prefix balance guard on the prompts waiting for a first token: no cache credit on the candidate whose
+pending prefill tokens exceed every other candidate's by more than this (relative) and
+:data:`PREFIX_PENDING_ABS_TOKENS`. Counted from the ledger, so it holds when the latency model is wrong
+(a neutral prior, nothing known: docs/prefix.md)."""
+PREFIX_PENDING_ABS_TOKENS = 32768.0
 ONLY_CANDIDATE = "only candidate"
 """The reason of a decision with a single candidate (:func:`choose_forced`); T, kvusage and w are in its
 scores."""
@@ -135,6 +141,17 @@ def _cached(
         elif load > second:
             second = load
     if top > second * (1.0 + PREFIX_BALANCE_REL) + PREFIX_BALANCE_ABS_S:
+        cached[k_top] = 0.0
+    pending = snap.prefill_pending_tokens.tolist()
+    top = second = -math.inf
+    k_top = 0
+    for k, c in enumerate(cand):
+        waiting = pending[c]
+        if waiting > top:
+            top, second, k_top = waiting, top, k
+        elif waiting > second:
+            second = waiting
+    if top > second * (1.0 + PREFIX_PENDING_REL) + PREFIX_PENDING_ABS_TOKENS:
         cached[k_top] = 0.0
     return cached
 

@@ -54,6 +54,8 @@ from hetroute.policies.minmax_scalar import MAX_EXPONENT as MAX_EXPONENT
 from hetroute.policies.minmax_scalar import (
     PREFIX_BALANCE_ABS_S,
     PREFIX_BALANCE_REL,
+    PREFIX_PENDING_ABS_TOKENS,
+    PREFIX_PENDING_REL,
     SCALAR_MAX_BACKENDS,
     ListCache,
     choose_forced,
@@ -335,20 +337,29 @@ class MinMaxPolicy:
         balance thresholds, in drain time instead of request counts). The reference is the next
         busiest candidate, not the least loaded: on a mixed fleet the least loaded is usually a slow
         backend the latency floor keeps light, and measured against it the fast backends lost their
-        cache credit at every moderate load (docs/prefix.md)."""
+        cache credit at every moderate load (docs/prefix.md).
+
+        The same guard on the ledger's pending prefill tokens (prompts without a first token yet):
+        the candidate holding more than ``PREFIX_PENDING_REL`` and ``PREFIX_PENDING_ABS_TOKENS`` above
+        every other candidate gets no credit either. It needs no latency model, so it still holds
+        where the model's drain times are on the wrong scale (nothing known, a neutral prior)."""
         if not self.prefix:
             return None
         cached = snapshot.prefix_cached_tokens(candidates)
         if cached is None or candidates.size < 2:
             return cached
-        loads = snapshot.workload[candidates]
-        k = int(np.argmax(loads))
-        second = float(np.partition(loads, -2)[-2])
-        if float(loads[k]) > second * (1.0 + PREFIX_BALANCE_REL) + PREFIX_BALANCE_ABS_S:
-            out: FloatArray = cached.copy()
-            out[k] = 0.0
-            return out
-        return cached
+        out: FloatArray = cached
+        for values, rel, margin in (
+            (snapshot.workload[candidates], PREFIX_BALANCE_REL, PREFIX_BALANCE_ABS_S),
+            (snapshot.prefill_pending_tokens[candidates], PREFIX_PENDING_REL, PREFIX_PENDING_ABS_TOKENS),
+        ):
+            k = int(np.argmax(values))
+            second = float(np.partition(values, -2)[-2])
+            if float(values[k]) > second * (1.0 + rel) + margin:
+                if out is cached:
+                    out = cached.copy()
+                out[k] = 0.0
+        return out
 
     def _keep_session(
         self, snapshot: ClusterSnapshot, candidates: IntArray, score: FloatArray, own: FloatArray, chosen: int

@@ -88,7 +88,7 @@ def _snapshot(
         generated_tokens_in_flight=values(20_000.0),
         predicted_output_tokens_in_flight=values(30_000.0),
         workload=values(rng.choice([0.01, 5.0, 100.0]), zero=0.5),
-        prefill_pending_tokens=values(10_000.0),
+        prefill_pending_tokens=values(rng.choice([10_000.0, 60_000.0])),  # 60k: the pending guard acts
         available=np.ones(n, dtype=np.bool_),
         kv_capacity_tokens=caps,
         latency_params=learned,

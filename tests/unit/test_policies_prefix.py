@@ -183,6 +183,33 @@ def test_the_guard_measures_against_the_next_busiest_backend_not_an_idle_slow_on
     assert costs(hot, [0.0, 2000.0, 0.0])[1] < costs(hot, [0.0, 0.0, 0.0])[1]
 
 
+def test_a_backlog_of_waiting_prompts_takes_the_cache_credit_without_a_latency_model() -> None:
+    """The guard on pending prefill tokens: a backend whose prompts waiting for a first token exceed every
+    other candidate's by more than 50 % and 32,768 tokens loses its cache credit even when the model's
+    drain times are level (a neutral prior misjudges them; the ledger's tokens it cannot)."""
+    fleet = (
+        backend("a", profile(FAST, 400_000)),
+        backend("b", profile(FAST, 400_000)),
+        backend("c", profile(FAST, 400_000)),
+    )
+    three = np.array([0, 1, 2], dtype=np.int64)
+    default = policy("balanced_minmax", fleet)
+
+    def seen(pending: list[float], matched: list[float]) -> ClusterSnapshot:
+        return with_cache(snap(fleet, workload=[1.0, 1.0, 1.0], prefill_pending=pending), matched)
+
+    def costs(pending: list[float], matched: list[float]) -> list[float]:
+        return list(default.costs(prefixed(), seen(pending, matched), three)[0])
+
+    cached, none = [2000.0, 0.0, 0.0], [0.0, 0.0, 0.0]
+    backlog = [80_000.0, 10_000.0, 0.0]  # 80,000 > 10,000 · 1.5 + 32,768
+    assert costs(backlog, cached) == costs(backlog, none)
+    assert default.choose(prefixed(), seen(backlog, cached), three).index != 0
+    for level in ([40_000.0, 10_000.0, 0.0], [80_000.0, 40_000.0, 0.0]):  # within the band
+        assert costs(level, cached)[0] < costs(level, none)[0]
+    assert costs(backlog, [0.0, 2000.0, 0.0])[1] < costs(backlog, none)[1]  # only the backlogged one
+
+
 def test_the_saved_prefill_counts_cache_weight_times_where_the_min_max_is_indifferent() -> None:
     """``cache_weight`` F (default 3): between equal backends, the one holding r's prefix keeps r while its
     drain time exceeds the other's by less than F times the prefill the hit saves (once with F = 1); the
