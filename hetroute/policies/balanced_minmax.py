@@ -41,7 +41,8 @@ the simulator benchmark (docs/policies.md): 4 helps less, 16 raises p99 TTFT on 
 Prefix-cache locality (docs/prefix.md): with ``prefix`` (default true) T_r^s and r's own prefill (κ
 included) count only the prompt tokens not estimated cached on s, ``U_r^s = I_r − cached_s``
 (``ClusterSnapshot.prefix_cached_tokens``; ``U_r^s = I_r`` without the term), with no credit on a
-backend far busier than every other (the balance guard); ``P_s`` keeps the whole prompts.
+backend far busier than every other in drain time or in prompts waiting for a first token (the balance
+guards); ``P_s`` keeps the whole prompts.
 ``cache_weight`` (F, default 3) counts the prefill a hit saves F times where the min-max is
 indifferent: with ``D_s = L_s + w_r^s − (F − 1)·(p1·b + p3)·cached_s/b`` (the share of w_r^s the cached
 tokens save), the score takes ``max(D_s, L_s, lat)`` (never below the backend's own drain time) and ties
