@@ -132,27 +132,21 @@ def _cached(
         cached = [matched[c] * tr[c] for c in cand]
     if len(cand) < 2:
         return cached
-    top = second = -math.inf
-    k_top = 0
-    for k, c in enumerate(cand):
-        load = loads[c]
-        if load > top:
-            top, second, k_top = load, top, k
-        elif load > second:
-            second = load
-    if top > second * (1.0 + PREFIX_BALANCE_REL) + PREFIX_BALANCE_ABS_S:
-        cached[k_top] = 0.0
-    pending = snap.prefill_pending_tokens.tolist()
-    top = second = -math.inf
-    k_top = 0
-    for k, c in enumerate(cand):
-        waiting = pending[c]
-        if waiting > top:
-            top, second, k_top = waiting, top, k
-        elif waiting > second:
-            second = waiting
-    if top > second * (1.0 + PREFIX_PENDING_REL) + PREFIX_PENDING_ABS_TOKENS:
-        cached[k_top] = 0.0
+    pending: list[float] = snap.prefill_pending_tokens.tolist()
+    for values, rel, margin in (
+        (loads, PREFIX_BALANCE_REL, PREFIX_BALANCE_ABS_S),
+        (pending, PREFIX_PENDING_REL, PREFIX_PENDING_ABS_TOKENS),
+    ):
+        top = second = -math.inf
+        k_top = 0
+        for k, c in enumerate(cand):
+            value = values[c]
+            if value > top:
+                top, second, k_top = value, top, k
+            elif value > second:
+                second = value
+        if top > second * (1.0 + rel) + margin:
+            cached[k_top] = 0.0
     return cached
 
 
