@@ -8,6 +8,7 @@ import numpy as np
 
 from hetroute.clock import ManualClock
 from hetroute.policies import PolicyContext, build_policy
+from hetroute.policies.workload_minmax import MinMaxPolicy
 from hetroute.prefix.hashing import ROUTER_CHUNK_CHARS, text_chunk_hashes
 from hetroute.prefix.settings import PrefixConfig
 from hetroute.prefix.state import PrefixState
@@ -37,6 +38,14 @@ def with_cache(s: ClusterSnapshot, matched: list[float], session_backend: int = 
 
 def policy(name: str, backends=TWO, **params: object):  # type: ignore[no-untyped-def]
     return build_policy(name, params, PolicyContext(tuple(backends), seed=3))
+
+
+THREE = np.array([0, 1, 2], dtype=np.int64)
+
+
+def costs_of(default: MinMaxPolicy, seen: ClusterSnapshot) -> list[float]:
+    """T_r^s per candidate of a three-backend fleet for :func:`prefixed`'s request."""
+    return list(default.costs(prefixed(), seen, THREE)[0])
 
 
 def test_a_cached_prefix_wins_between_equal_backends() -> None:
@@ -166,16 +175,15 @@ def test_the_guard_measures_against_the_next_busiest_backend_not_an_idle_slow_on
         backend("b", profile(FAST, 400_000)),
         backend("slow", profile(SLOW, 400_000)),
     )
-    three = np.array([0, 1, 2], dtype=np.int64)
     default = policy("balanced_minmax", fleet)
 
     def costs(workload: list[float], matched: list[float]) -> list[float]:
-        return list(default.costs(prefixed(), with_cache(snap(fleet, workload=workload), matched), three)[0])
+        return costs_of(default, with_cache(snap(fleet, workload=workload), matched))
 
     busy_pair = [3.0, 3.0, 0.0]
     assert costs(busy_pair, [2000.0, 0.0, 0.0])[0] < costs(busy_pair, [0.0, 0.0, 0.0])[0]  # credit kept
     decision = default.choose(
-        prefixed(), with_cache(snap(fleet, workload=busy_pair), [2000.0, 0.0, 0.0]), three
+        prefixed(), with_cache(snap(fleet, workload=busy_pair), [2000.0, 0.0, 0.0]), THREE
     )
     assert decision.index == 0
     hot = [5.0, 1.0, 0.0]  # 5.0 s > 1.0 · 1.5 + 2.0 s: the one far busier backend loses its credit
@@ -192,19 +200,18 @@ def test_a_backlog_of_waiting_prompts_takes_the_cache_credit_without_a_latency_m
         backend("b", profile(FAST, 400_000)),
         backend("c", profile(FAST, 400_000)),
     )
-    three = np.array([0, 1, 2], dtype=np.int64)
     default = policy("balanced_minmax", fleet)
 
     def seen(pending: list[float], matched: list[float]) -> ClusterSnapshot:
         return with_cache(snap(fleet, workload=[1.0, 1.0, 1.0], prefill_pending=pending), matched)
 
     def costs(pending: list[float], matched: list[float]) -> list[float]:
-        return list(default.costs(prefixed(), seen(pending, matched), three)[0])
+        return costs_of(default, seen(pending, matched))
 
     cached, none = [2000.0, 0.0, 0.0], [0.0, 0.0, 0.0]
     backlog = [80_000.0, 10_000.0, 0.0]  # 80,000 > 10,000 · 1.5 + 32,768
     assert costs(backlog, cached) == costs(backlog, none)
-    assert default.choose(prefixed(), seen(backlog, cached), three).index != 0
+    assert default.choose(prefixed(), seen(backlog, cached), THREE).index != 0
     for level in ([40_000.0, 10_000.0, 0.0], [80_000.0, 40_000.0, 0.0]):  # within the band
         assert costs(level, cached)[0] < costs(level, none)[0]
     assert costs(backlog, [0.0, 2000.0, 0.0])[1] < costs(backlog, none)[1]  # only the backlogged one
