@@ -42,7 +42,9 @@ Prefix-cache locality (docs/prefix.md): with ``prefix`` (default true) T_r^s and
 included) count only the prompt tokens not estimated cached on s, ``U_r^s = I_r − cached_s``
 (``ClusterSnapshot.prefix_cached_tokens``; ``U_r^s = I_r`` without the term), with no credit on a
 backend far busier than every other in drain time or in prompts waiting for a first token (the balance
-guards); ``P_s`` keeps the whole prompts.
+guards), and on a backend whose model has no queue term yet (p1 = 0, the neutral default before its
+first fit) less the prompt tokens it has waiting beyond the least-waiting candidate; ``P_s`` keeps the
+whole prompts.
 ``cache_weight`` (F, default 3) counts the prefill a hit saves F times where the min-max is
 indifferent: with ``D_s = L_s + w_r^s − (F − 1)·(p1·b + p3)·cached_s/b`` (the share of w_r^s the cached
 tokens save), the score takes ``max(D_s, L_s, lat)`` (never below the backend's own drain time) and ties

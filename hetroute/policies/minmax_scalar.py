@@ -120,7 +120,8 @@ def output_bound(features: RequestFeatures) -> int:
 def _cached(
     policy: MinMaxSettings, snap: ClusterSnapshot, cand: list[int], loads: list[float]
 ) -> list[float] | None:
-    """``MinMaxPolicy._cached`` per candidate."""
+    """``MinMaxPolicy._cached`` per candidate: the credit less the excess waiting tokens where p1 ≤ 0,
+    then the two balance guards."""
     if not policy.prefix or snap.prefix_matched_tokens is None:
         return None
     matched = snap.prefix_matched_tokens.tolist()
@@ -133,6 +134,14 @@ def _cached(
     if len(cand) < 2:
         return cached
     pending: list[float] = snap.prefill_pending_tokens.tolist()
+    params = policy.models.params if snap.latency_params is None else snap.latency_params
+    rows: list[list[float]] = policy.lists.get("params", params)
+    unpriced = [k for k, c in enumerate(cand) if rows[c][0] <= 0.0]  # p1 ≤ 0: no prefill-queue term
+    if unpriced:
+        least = min(pending[c] for c in cand)
+        for k in unpriced:
+            net = cached[k] - (pending[cand[k]] - least)
+            cached[k] = 0.0 if net < 0.0 else net
     for values, rel, margin in (
         (loads, PREFIX_BALANCE_REL, PREFIX_BALANCE_ABS_S),
         (pending, PREFIX_PENDING_REL, PREFIX_PENDING_ABS_TOKENS),

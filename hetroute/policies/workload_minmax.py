@@ -62,7 +62,7 @@ from hetroute.policies.minmax_scalar import (
     choose_scalar,
     output_bound,
 )
-from hetroute.types import ClusterSnapshot, FloatArray, IntArray, RequestFeatures, RoutingDecision
+from hetroute.types import BoolArray, ClusterSnapshot, FloatArray, IntArray, RequestFeatures, RoutingDecision
 
 KvSignal = Literal["ledger", "paper", "engine", "max"]
 BatchKv = Literal["full", "average"]
@@ -140,6 +140,11 @@ class _Unset:
 UNSET = _Unset()
 
 
+ALL_UNPRICED: BoolArray = np.ones(0, dtype=np.bool_)
+"""``MinMaxPolicy._unpriced``'s answer when no backend's model prices the prefill queue (compared by
+identity: every candidate is then one)."""
+
+
 class MinMaxPolicy:
     """The min-max mapper over w = T · exp(θ · g(kvusage)); see the module docstring."""
 
@@ -181,6 +186,7 @@ class MinMaxPolicy:
         self.batch_kv = batch_kv
         self.overflow_only = overflow_only
         self.lists = ListCache()  # the scalar path's list copies of rarely replaced arrays
+        self._unpriced_held: tuple[FloatArray, BoolArray | None] | None = None
         self._rng = rng
 
     def costs(
@@ -342,16 +348,31 @@ class MinMaxPolicy:
         The same guard on the ledger's pending prefill tokens (prompts without a first token yet):
         the candidate holding more than ``PREFIX_PENDING_REL`` and ``PREFIX_PENDING_ABS_TOKENS`` above
         every other candidate gets no credit either. It needs no latency model, so it still holds
-        where the model's drain times are on the wrong scale (nothing known, a neutral prior)."""
+        where the model's drain times are on the wrong scale (nothing known, a neutral prior).
+
+        Before both guards, a candidate whose model prices no prefill queue (p1 ≤ 0: the neutral
+        default before the backend's first fit) keeps only ``cached − (P_s − min P)``, at least 0: each
+        prompt token it has waiting beyond the least-waiting candidate cancels one cached token. Its
+        floor has no ``p1 · P_s`` term, so a full credit would pull every request sharing its prefix
+        into a queue nothing prices (docs/prefix.md, "Before the first fit")."""
         if not self.prefix:
             return None
         cached = snapshot.prefix_cached_tokens(candidates)
         if cached is None or candidates.size < 2:
             return cached
+        pending = snapshot.prefill_pending_tokens[candidates]
         out: FloatArray = cached
+        unpriced = self._unpriced(snapshot)
+        if unpriced is not None:
+            blind = None if unpriced is ALL_UNPRICED else unpriced[candidates]
+            if blind is None or bool(blind.any()):
+                net = pending - pending.min()
+                np.subtract(cached, net, out=net)
+                np.maximum(net, 0.0, out=net)
+                out = net if blind is None else np.where(blind, net, cached)
         for values, rel, margin in (
             (snapshot.workload[candidates], PREFIX_BALANCE_REL, PREFIX_BALANCE_ABS_S),
-            (snapshot.prefill_pending_tokens[candidates], PREFIX_PENDING_REL, PREFIX_PENDING_ABS_TOKENS),
+            (pending, PREFIX_PENDING_REL, PREFIX_PENDING_ABS_TOKENS),
         ):
             k = int(np.argmax(values))
             second = float(np.partition(values, -2)[-2])
@@ -359,6 +380,21 @@ class MinMaxPolicy:
                 if out is cached:
                     out = cached.copy()
                 out[k] = 0.0
+        return out
+
+    def _unpriced(self, snapshot: ClusterSnapshot) -> BoolArray | None:
+        """Per backend, whether its latency model prices no prefill queue (p1 ≤ 0: the neutral default
+        before a first fit); None when none does, :data:`ALL_UNPRICED` when all do. Kept while the
+        parameter array in use is the same read-only object (replaced whole at a refit, like
+        :class:`ListCache`'s arrays)."""
+        params = self.models.params if snapshot.latency_params is None else snapshot.latency_params
+        held = self._unpriced_held
+        if held is not None and held[0] is params:
+            return held[1]
+        mask: BoolArray = params[:, 0] <= 0.0
+        out = (ALL_UNPRICED if bool(mask.all()) else mask) if bool(mask.any()) else None
+        if not params.flags.writeable:
+            self._unpriced_held = (params, out)
         return out
 
     def _keep_session(

@@ -217,6 +217,39 @@ def test_a_backlog_of_waiting_prompts_takes_the_cache_credit_without_a_latency_m
     assert costs(backlog, [0.0, 2000.0, 0.0])[1] < costs(backlog, none)[1]  # only the backlogged one
 
 
+def test_without_a_prefill_queue_price_each_excess_waiting_token_cancels_a_cached_token() -> None:
+    """A backend nothing is known about is priced by the neutral default until its first fit; that model
+    has no batched prefill cost (p1 = 0), so the floor has no queue term, and a cached prefix would pull
+    every request sharing it into a queue nothing prices. On such a backend the credit is the cached
+    tokens less the prompt tokens it has waiting beyond the least-waiting candidate (never below 0);
+    a backend whose model prices the queue (p1 > 0, profiled or fitted) keeps the whole credit."""
+    unknown = (backend("a"), backend("b"), backend("c"))  # no profile, no GPU label: the neutral default
+    default = policy("balanced_minmax", unknown)
+
+    def seen(
+        pending: list[float], matched: list[float], learned: np.ndarray | None = None
+    ) -> ClusterSnapshot:
+        s = snap(unknown, workload=[1.0, 0.9, 0.9], prefill_pending=pending)
+        return with_cache(s._replace(latency_params=learned), matched)
+
+    def costs(pending: list[float], matched: list[float], learned: np.ndarray | None = None) -> list[float]:
+        return costs_of(default, seen(pending, matched, learned))
+
+    cached, none = [2000.0, 0.0, 0.0], [0.0, 0.0, 0.0]
+    level = [500.0, 500.0, 500.0]
+    assert costs([1500.0, 500.0, 500.0], cached) == costs(level, [1000.0, 0.0, 0.0])  # 1,000 in excess
+    assert costs([3000.0, 500.0, 500.0], cached) == costs(level, none)  # 2,500 in excess: no credit
+    assert costs(level, cached)[0] < costs(level, none)[0]
+    assert default.choose(prefixed(), seen(level, cached), THREE).index == 0
+    lat = default.latency(prefixed(), seen([3000.0, 500.0, 500.0], cached), THREE)
+    assert lat[0] == lat[1] == lat[2]  # no queue term and no credit left: level floors
+    fitted = np.array([FAST.as_tuple()] * 3)  # a first fit gives p1 > 0: the floor prices the queue
+    assert costs([3000.0, 500.0, 500.0], cached, fitted)[0] < costs([3000.0, 500.0, 500.0], none, fitted)[0]
+    profiled = (backend("a", profile(FAST, 400_000)), backend("b", profile(FAST, 400_000)))
+    both = with_cache(snap(profiled, prefill_pending=[3000.0, 500.0]), [2000.0, 0.0])
+    assert policy("balanced_minmax", profiled).choose(prefixed(), both, BOTH).index == 0
+
+
 def test_the_saved_prefill_counts_cache_weight_times_where_the_min_max_is_indifferent() -> None:
     """``cache_weight`` F (default 3): between equal backends, the one holding r's prefix keeps r while its
     drain time exceeds the other's by less than F times the prefill the hit saves (once with F = 1); the
