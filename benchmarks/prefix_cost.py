@@ -4,7 +4,9 @@ Decision latency: ``Router.route`` + ``release`` of the default policy at 4, 64 
 the prefix index on against off (same requests, same background load of 8 in flight per backend). Each
 request carries 32 chunk hashes (a 2,048-token prompt); half of them share one of 8 system prompts (16
 chunks) that the index already holds on a quarter of the backends, so lookups walk real matches.
-Timed with ``perf_counter_ns`` per decision after a warm-up; p50/p99 in microseconds. Memory: the
+Timed with ``perf_counter_ns`` per decision after a warm-up; p50/p99 in microseconds. The fleets are
+profiled; one more row runs 64 backends with nothing known (no profile: the neutral default, whose
+decisions take the credit-net-of-waiting-tokens path, docs/prefix.md). Memory: the
 index after 100,000 distinct 4-chunk prompts over 8 backends, by ``tracemalloc``.
 
 Usage: ``python benchmarks/prefix_cost.py [--decisions N]``; writes results/prefix_cost.{json,md}.
@@ -20,6 +22,7 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -55,9 +58,9 @@ def requests(n: int, seed: int) -> list[RequestFeatures]:
     return out
 
 
-def route_us(n: int, decisions: int, prefix: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(decide only, route + release) in µs per decision."""
-    backends = fleet(n)
+def route_us(n: int, decisions: int, prefix: bool, known: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(decide only, route + release) in µs per decision; ``known`` False drops the profiles."""
+    backends = fleet(n) if known else tuple(replace(b, profile=None) for b in fleet(n))
     policy = build_policy("balanced_minmax", {}, PolicyContext(backends, seed=1))
     state = PrefixState(n, PrefixConfig()) if prefix else None
     router = Router(backends, policy, Ledger([b.name for b in backends]), ManualClock(), prefix=state)
@@ -99,11 +102,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--decisions", type=int, default=5000)
     args = ap.parse_args(argv)
     rows = []
-    for n in (4, 64, 512):
-        (d_off, off), (d_on, on) = route_us(n, args.decisions, False), route_us(n, args.decisions, True)
+    for n, known in ((4, True), (64, True), (512, True), (64, False)):
+        (d_off, off) = route_us(n, args.decisions, False, known)
+        (d_on, on) = route_us(n, args.decisions, True, known)
         rows.append(
             {
                 "backends": n,
+                "models": "profiled" if known else "nothing known",
                 "decide_off_p50_us": float(np.median(d_off)),
                 "decide_on_p50_us": float(np.median(d_on)),
                 "decide_added_p50_us": float(np.median(d_on) - np.median(d_off)),
@@ -128,13 +133,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"# Prefix routing cost ({platform.machine()}, Python {sys.version.split()[0]}, "
         f"{args.decisions} decisions)",
         "",
-        "| backends | decide p50 off (µs) | on | added | route+release p50 off | on | added "
+        "| backends | models | decide p50 off (µs) | on | added | route+release p50 off | on | added "
         "| p99 off | p99 on |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['backends']} | {r['decide_off_p50_us']:.1f} | {r['decide_on_p50_us']:.1f} "
+            f"| {r['backends']} | {r['models']} | {r['decide_off_p50_us']:.1f} | {r['decide_on_p50_us']:.1f} "
             f"| {r['decide_added_p50_us']:.1f} | {r['off_p50_us']:.1f} | {r['on_p50_us']:.1f} "
             f"| {r['added_p50_us']:.1f} "
             f"| {r['off_p99_us']:.1f} | {r['on_p99_us']:.1f} |"
