@@ -142,7 +142,8 @@ UNSET = _Unset()
 
 ALL_UNPRICED: BoolArray = np.ones(0, dtype=np.bool_)
 """``MinMaxPolicy._unpriced``'s answer when no backend's model prices the prefill queue (compared by
-identity: every candidate is then one)."""
+identity: every candidate is then one). Empty and read-only: a marker, never indexed."""
+ALL_UNPRICED.flags.writeable = False
 
 
 class MinMaxPolicy:
@@ -374,12 +375,11 @@ class MinMaxPolicy:
             (snapshot.workload[candidates], PREFIX_BALANCE_REL, PREFIX_BALANCE_ABS_S),
             (pending, PREFIX_PENDING_REL, PREFIX_PENDING_ABS_TOKENS),
         ):
-            k = int(np.argmax(values))
-            second = float(np.partition(values, -2)[-2])
-            if float(values[k]) > second * (1.0 + rel) + margin:
+            top_two = np.partition(values, -2)  # the largest last, the next largest before it
+            if float(top_two[-1]) > float(top_two[-2]) * (1.0 + rel) + margin:
                 if out is cached:
                     out = cached.copy()
-                out[k] = 0.0
+                out[int(np.argmax(values))] = 0.0
         return out
 
     def _unpriced(self, snapshot: ClusterSnapshot) -> BoolArray | None:

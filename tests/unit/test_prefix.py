@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import subprocess
 import sys
 import tracemalloc
@@ -17,7 +18,7 @@ from hetroute.prefix.hashing import (
     text_chunk_hashes,
     token_block_hashes,
 )
-from hetroute.prefix.index import PrefixIndex
+from hetroute.prefix.index import FEW_BITS, PrefixIndex
 from hetroute.prefix.sessions import SessionTable
 from hetroute.prefix.trust import MIN_PREDICTED_TOKENS, TRUST_FLOOR, CacheTrust
 from hetroute.types import EngineMetrics
@@ -78,6 +79,22 @@ def test_index_matches_the_longest_held_prefix_per_backend() -> None:
     assert idx.matched_chunks(chain, 1.0).tolist() == [8, 0, 5]
     assert idx.matched_chunks(fork, 1.0).tolist() == [3, 0, 3]
     assert idx.total_chunks() == 8
+
+
+def test_index_matches_on_many_holders_as_on_few() -> None:
+    """A prefix held by more backends than ``FEW_BITS`` is filled in by unpacking the holders' bit mask:
+    the same answer as one backend at a time, at every depth, on 70 backends (a mask wider than 64 bits)."""
+    n = 70
+    idx = PrefixIndex([math.nan] * n)
+    chain = text_chunk_hashes("c" * ROUTER_CHUNK_CHARS * 8)
+    rng = random.Random(5)
+    depths = [rng.choice([0, 1, 3, 3, 8, 8]) for _ in range(n)]
+    for b, depth in enumerate(depths):
+        if depth:
+            idx.insert(b, chain[:depth], now_s=0.0)
+    assert sum(d == 8 for d in depths) > FEW_BITS and sum(d == 3 for d in depths) > FEW_BITS
+    assert idx.matched_chunks(chain, 1.0).tolist() == depths
+    assert idx.matched_chunks(chain[:2], 1.0).tolist() == [min(d, 2) for d in depths]
 
 
 def test_index_evicts_least_recent_and_a_prompts_tail_before_its_head() -> None:
