@@ -249,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from prefix_gateway import gateway_part
 
         rows = gateway_part(args, save)
-        title = "Prefix-aware routing through the gateway"
+        title = "Prefix-aware routing through the gateway" + (" (nothing known)" if args.blind else "")
     save(rows, complete=True)
     text = markdown(summarise(rows), title)
     Path(f"{stem}.md").write_text(text, encoding="utf-8")

@@ -6,7 +6,9 @@ on, prefix index on), then the workload's requests as streamed ``/v1/completions
 shares exactly the workload's segments (``sim/prompt_text.py``; the OpenAI ``user`` field carries the
 session). Reported in model seconds (wall × speedup) like the simulator: throughput, TTFT p50/p99, the
 engines' hit rate from their own ``vllm:prefix_cache_*_total`` counters, the router's estimate and its
-index memory from the gateway's ``/metrics``.
+index memory from the gateway's ``/metrics``. With ``blind`` (``--blind``) the engines serve a house model
+name (``HOUSE_MODEL``) and the gateway's entries carry no GPU or TP labels: every backend starts on the
+neutral default and is learned from its own traffic, as in front of engines the catalog does not know.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 HETROUTE = [sys.executable, "-m", "hetroute"]
+HOUSE_MODEL = "house-llm"
+"""The served-model name of the ``--blind`` runs: no catalog entry matches it."""
 
 
 def _metric(text: str, name: str) -> float:
@@ -67,7 +71,7 @@ async def _send(
 
 
 async def one_run(
-    fleet: Any, workload: list[Any], policy: str, params: dict[str, object], k: float
+    fleet: Any, workload: list[Any], policy: str, params: dict[str, object], k: float, blind: bool = False
 ) -> dict[str, Any]:
     import aiohttp
     import yaml
@@ -81,6 +85,7 @@ async def one_run(
     renderer = PromptRenderer()
     prompts = [renderer.completion_prompt(r) for r in workload]
     model = fleet.backends[0].models[0]
+    served = HOUSE_MODEL if blind else model
     procs: list[asyncio.subprocess.Process] = []
     tmp = Path(tempfile.mkdtemp(prefix="hetroute-prefix-"))
     try:
@@ -89,6 +94,7 @@ async def one_run(
             port = free_port()
             cmd = [*HETROUTE, "emulate", "--gpu", str(b.gpu), "--model", model, "--tp", str(b.tp)]
             cmd += ["--port", str(port), "--speedup", f"{k:g}", "--seed", str(i)]
+            cmd += ["--served-model-name", served] if blind else []
             procs.append(
                 await asyncio.create_subprocess_exec(
                     *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
@@ -96,10 +102,10 @@ async def one_run(
             )
             url = f"http://127.0.0.1:{port}"
             emu_urls.append(url)
+            labels = {} if blind else {"gpu": str(b.gpu), "tp": str(b.tp)}
             entries.append(
-                {"name": b.name, "url": url, "engine": "vllm", "models": [model],
-                 "labels": {"gpu": str(b.gpu), "tp": str(b.tp)}}
-            )  # fmt: skip
+                {"name": b.name, "url": url, "engine": "vllm", "models": [served], "labels": labels}
+            )
         gw_port = free_port()
         config = {
             "server": {"host": "127.0.0.1", "port": gw_port, "access_log": False},
@@ -125,7 +131,7 @@ async def one_run(
             start = time.monotonic() + 0.5
             results = await asyncio.gather(
                 *(
-                    _send(s, gw + "/v1/completions", model, r, p, start, k)
+                    _send(s, gw + "/v1/completions", served, r, p, start, k)
                     for r, p in zip(workload, prompts, strict=True)
                 )
             )
@@ -163,14 +169,18 @@ async def one_run(
 def gateway_part(
     args: argparse.Namespace, on_row: Callable[[list[dict[str, Any]]], None]
 ) -> list[dict[str, Any]]:
-    """Every run through the gateway; ``on_row`` gets the rows so far after each run."""
+    """Every run through the gateway; ``on_row`` gets the rows so far after each run. The loads are
+    fractions of the simulated no-sharing capacity of the same fleet, nothing known with ``--blind``
+    (as the simulator's ``--blind`` table)."""
     from prefix import MAX_MODEL_LEN, POLICIES, fleet_of, mean_tokens, sim_run, workload_of
 
     rows: list[dict[str, Any]] = []
     for fleet_name in args.fleets:
         fleet = fleet_of(fleet_name, False)
         base = workload_of("no-sharing", 2000, math.inf, 0, MAX_MODEL_LEN)
-        capacity = sim_run(fleet, base, "default-no-prefix", True)["throughput_tok_s"]
+        capacity = sim_run(fleet_of(fleet_name, args.blind), base, "default-no-prefix", True)[
+            "throughput_tok_s"
+        ]
         print(f"{fleet_name}: simulated no-sharing capacity {capacity:,.0f} tokens/s", flush=True)
         for kind in args.workloads:
             probe = workload_of(kind, args.requests, math.inf, 0, MAX_MODEL_LEN)
@@ -180,7 +190,7 @@ def gateway_part(
                     wl = workload_of(kind, args.requests, rate, seed, MAX_MODEL_LEN)
                     for policy, (name, params) in POLICIES.items():
                         started = time.perf_counter()
-                        row = asyncio.run(one_run(fleet, wl, name, dict(params), args.speedup))
+                        row = asyncio.run(one_run(fleet, wl, name, dict(params), args.speedup, args.blind))
                         row.update(
                             policy=policy, fleet=fleet_name, workload=kind, load=load, rate=rate, seed=seed
                         )
