@@ -31,6 +31,7 @@ from profiling.collect import SweepConfig
 from profiling.runner import EXIT_OK, ProfileOptions, profile_backend
 from tests.real_engine import tiny_vllm
 from tests.real_engine.live_learning import measure
+from tests.real_engine.prefix_check import measure_prefix
 
 pytestmark = pytest.mark.real_engine
 
@@ -147,6 +148,24 @@ async def test_live_learning_predicts_real_vllm_e2e(vllm_server: str) -> None:
     print("REAL vLLM live learning:", json.dumps(result))
     assert result["ok"] == result["observed"] == LIVE_REQUESTS
     assert result["median_e2e_error_after"] < MAX_E2E_MEDIAN_ERROR
+
+
+PREFIX_REQUESTS = 8
+
+
+@pytest.mark.timeout(180)
+async def test_prefix_hits_counted_by_real_vllm_match_the_router_index(vllm_server: str) -> None:
+    """vLLM's own prefix-cache counters (``vllm:prefix_cache_queries_total`` / ``_hits_total``, in
+    tokens) are read by the gateway's parser, and they confirm what the router's index predicted for
+    requests sharing a long prefix: the index's expected hit ratio is within 0.15 of the engine's, and
+    the trust the hit counters give the index stays high."""
+    result = await measure_prefix(vllm_server, requests=PREFIX_REQUESTS, seed=11)
+    print("REAL vLLM prefix cache:", json.dumps(result))
+    assert result["ok"] == PREFIX_REQUESTS
+    assert result["engine_queries_tokens"] > 0
+    assert result["engine_hit_ratio"] > 0.5  # 7 of 8 prompts repeat the shared prefix
+    assert abs(result["router_expected_hit_ratio"] - result["engine_hit_ratio"]) < 0.15
+    assert result["router_trust"] >= 0.8
 
 
 if __name__ == "__main__":  # pragma: no cover
