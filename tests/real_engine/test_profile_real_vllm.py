@@ -10,7 +10,8 @@ skipped, and the reason says the variable allowed it. Either way the run ends wi
 
 Run only this test: ``pytest -m real_engine -s tests/real_engine``; skip it: ``-m "not real_engine"``.
 It builds the model (~5 s), starts the server (~20-40 s), profiles it for at most ``BUDGET_S`` and
-fits: about 3 minutes in all on 2 CPU cores.
+fits: about 3 minutes in all on 2 CPU cores. The same server then serves the live-learning test and
+the prefix-cache test (``prefix_check.py``: vLLM's own hit counters against the router's index).
 """
 
 from __future__ import annotations
