@@ -4,7 +4,8 @@
 ``requests`` completions one after another that share one long prefix and differ in their last
 words, lets the gateway scrape the engine, and returns what each side counted: the engine's own
 ``vllm:prefix_cache_*_total`` counters (read with the gateway's parser, before and after), the
-router's expected hit ratio and its trust in the index for that backend (``/metrics``).
+router's expected hit ratio and its trust in the index for that backend (the gateway's registry, which
+its ``/metrics`` exports).
 """
 
 from __future__ import annotations
@@ -22,14 +23,6 @@ from hetroute.config import config_from_dict
 from tests.real_engine.tiny_vllm import SERVED
 
 SCRAPE_INTERVAL_S = 0.2
-
-
-def _gauge(text: str, name: str) -> float:
-    """The one sample of gauge ``name`` in exposition ``text``."""
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name)] in " {":
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in the gateway's /metrics")
 
 
 async def _engine_counters(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
@@ -54,7 +47,8 @@ async def measure_prefix(url: str, requests: int, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     words = ["alpha", "bravo", "delta", "gamma", "kilo", "lima", "omega", "sierra", "tango", "zulu"]
     shared = " ".join(rng.choice(words) for _ in range(250))  # distinct from other tests' prompts
-    app = build_app(cfg, registry=CollectorRegistry())
+    registry = CollectorRegistry()
+    app = build_app(cfg, registry=registry)
     runner, port = await start_app(app)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
@@ -71,8 +65,8 @@ async def measure_prefix(url: str, requests: int, seed: int) -> dict[str, Any]:
                     statuses.append(resp.status)
             await asyncio.sleep(5 * SCRAPE_INTERVAL_S)  # the gateway scrapes the engine's counters
             queries1, hits1 = await _engine_counters(session, url)
-            async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
-                text = await resp.text()
+            expected = registry.get_sample_value("hetroute_prefix_expected_hit_ratio")
+            trust = registry.get_sample_value("hetroute_prefix_trust", {"backend": "cpu"})
     finally:
         await runner.cleanup()
     return {
@@ -80,6 +74,6 @@ async def measure_prefix(url: str, requests: int, seed: int) -> dict[str, Any]:
         "engine_queries_tokens": queries1 - queries0,
         "engine_hits_tokens": hits1 - hits0,
         "engine_hit_ratio": (hits1 - hits0) / (queries1 - queries0) if queries1 > queries0 else 0.0,
-        "router_expected_hit_ratio": _gauge(text, "hetroute_prefix_expected_hit_ratio"),
-        "router_trust": _gauge(text, "hetroute_prefix_trust"),
+        "router_expected_hit_ratio": expected,
+        "router_trust": trust,
     }
