@@ -89,7 +89,11 @@ async def test_a_backend_that_only_fails_never_enters_the_fit(emulate: EmulateFn
     assert statuses == [200] * 24, statuses  # failed over before the first byte
     assert await eventually(lambda: learner.fit_of(0) is not None)
     assert learner.observed_total(1) == 0 and learner.fit_of(1) is None
-    assert learner.params[1].tolist() == before  # untouched by the failures
+    # Nothing known, the same engine reporting the same KV capacity: the failing backend publishes the
+    # pooled fit of the two, which holds only the good one's requests (docs/learning.md, "Nothing-known
+    # peers pool their traffic"), so its model equals the good one's, not the neutral default.
+    assert learner.params[1].tolist() == learner.params[0].tolist() != before
+    assert str(learner.describe(1)["published_from"]).startswith("pooled fit of ")
     assert learner.observed_total(0) == 24
     assert gw.ledger.is_zero()
 

@@ -26,7 +26,7 @@ from hetroute.learning.live import DRIFT_WINDOW, PEER_MIN_SAMPLES, LiveModels, P
 from hetroute.learning.observation import Observation
 from hetroute.learning.settings import LearningConfig
 from hetroute.learning.state import live_profile, load_saved, save_all, state_file
-from hetroute.policies.backend_model import NEUTRAL_LEARNING_PRIOR
+from hetroute.policies.backend_model import NEUTRAL_LEARNING_PRIOR, NEUTRAL_PARAMS
 from hetroute.types import BackendSpec
 
 # A "true" backend: prefill 0.1 ms per token in the batch + 20 ms; decode 25 ms + 0.5 ms per sequence
@@ -274,7 +274,8 @@ def test_peers_with_the_same_informed_prior_publish_the_best_learned_model_until
 ):
     """Backends with equal profile or roofline priors are the same hardware as far as the router knows:
     one with fewer than PEER_MIN_SAMPLES fitted requests publishes the best-learned peer's model (its
-    common prior while none has that many); equal neutral priors say nothing and are not peers."""
+    common prior while none has that many); equal neutral priors say nothing and, with no reported
+    capacity, are not peers."""
     priors = [PriorModel(TRUE, "same profile", "profile")] * 2 + [PriorModel(TRUE, "nothing", "neutral")] * 2
     live = LiveModels(["a", "b", "c", "d"], priors, [CAP] * 4, [SEQS] * 4, LearningConfig())
     slow = tuple(v * 1.5 for v in TRUE)
@@ -283,12 +284,16 @@ def test_peers_with_the_same_informed_prior_publish_the_best_learned_model_until
         live.observe(obs)
     live.refit(now_s=10.0)
     assert live.params[0].tolist() == pytest.approx(list(TRUE))  # too few: the common prior
+    assert live.describe(0)["published_from"] == "the peers' common prior"
+    assert live.describe(1)["published_from"] is None  # b: nothing fitted, its own prior
     for obs in rows[PEER_MIN_SAMPLES - 1 : 60]:
         live.observe(obs)
         live.observe(obs._replace(backend_index=2))
     live.refit(now_s=20.0)
     assert live.params[0][0] == pytest.approx(slow[0], rel=0.1)
     assert live.params[1].tolist() == live.params[0].tolist()  # b saw nothing: a's model
+    assert live.describe(1)["published_from"] == "peer a (60 fitted requests)"
+    assert live.describe(0)["published_from"] is None and live.describe(3)["published_from"] is None
     assert live.params[2][0] == pytest.approx(slow[0], rel=0.1)
     assert live.params[3].tolist() == pytest.approx(list(TRUE))  # d: its own prior, not c's model
     assert live.samples.tolist() == [60.0, 0.0, 45.0, 0.0]  # exploration still counts b's own
@@ -297,6 +302,50 @@ def test_peers_with_the_same_informed_prior_publish_the_best_learned_model_until
         live.observe(obs._replace(backend_index=1))
     live.refit(now_s=30.0)
     assert live.params[1][0] == pytest.approx(fast[0], rel=0.15)  # enough of its own: its own fit
+
+
+def test_nothing_known_backends_with_equal_reported_capacity_publish_a_pooled_fit_until_16_of_their_own() -> (
+    None
+):
+    """Backends on the neutral default are peers only when the engines report equal KV capacities and
+    the slot limits are equal: while one has fewer than PEER_MIN_SAMPLES fitted requests it publishes
+    one fit over the whole group's observations, so the first to finish a request does not look faster
+    than the rest still on the neutral default. A capacity not reported (the fallback) makes no group."""
+    neutral = PriorModel(NEUTRAL_LEARNING_PRIOR.as_tuple(), "nothing known", "neutral")
+    start = [NEUTRAL_PARAMS.as_tuple()] * 4
+    live = LiveModels(["a", "b", "c", "d"], [neutral] * 4, [CAP] * 4, [SEQS] * 4, LearningConfig(), start)
+    alone = LiveModels(["a"], [neutral], [CAP], [SEQS], LearningConfig(), start[:1])
+    live.set_capacities(np.array([CAP, CAP, 2 * CAP, math.nan]))
+    alone.set_capacities(np.array([CAP]))
+    fast = tuple(v * 0.5 for v in TRUE)
+    rows = synthetic(fast, 80, random.Random(12))
+    for obs in rows[:5]:
+        live.observe(obs)
+        alone.observe(obs)
+    live.refit(now_s=10.0)
+    alone.refit(now_s=10.0)
+    assert live.params[0].tolist() == alone.params[0].tolist()  # a: the pool holds only a's requests
+    assert live.params[1].tolist() == live.params[0].tolist()  # b: a's requests, not the neutral default
+    assert live.params[2].tolist() == live.params[3].tolist() == list(NEUTRAL_PARAMS.as_tuple())
+    assert live.describe(1)["published_from"] == "pooled fit of a, b (5 requests)"
+    assert live.describe(2)["published_from"] is None
+    for obs in rows[5:10]:
+        live.observe(obs._replace(backend_index=1))
+    live.refit(now_s=20.0)
+    assert live.params[1].tolist() == live.params[0].tolist()  # one fit over both
+    assert live.params[1].tolist() != alone.params[0].tolist()
+    assert live.samples.tolist() == [5.0, 5.0, 0.0, 0.0]  # exploration still counts each one's own
+    for obs in rows[10:40]:
+        live.observe(obs)
+        alone.observe(obs)
+    live.refit(now_s=30.0)
+    alone.refit(now_s=30.0)
+    assert live.fit_of(0) is not None and live.fit_of(0).samples >= PEER_MIN_SAMPLES  # type: ignore[union-attr]
+    assert live.params[0].tolist() == alone.params[0].tolist()  # enough of its own: its own fit
+    assert live.params[1].tolist() != live.params[0].tolist()  # b, 5 of its own: still the pool's
+    assert live.describe(0)["published_from"] is None
+    assert live.describe(1)["published_from"] == "pooled fit of a, b (40 requests)"
+    assert live.params[1][0] == pytest.approx(fast[0], rel=0.2)
 
 
 def test_a_two_fold_slow_down_is_detected_as_drift_and_relearned() -> None:
