@@ -18,9 +18,9 @@ Structure (memory and time bounded):
   what nobody reused).
 - ``max_chunks`` bounds the whole index: past it, the globally oldest backend's LRU chunk goes.
 
-Lookup (:meth:`matched_chunks`) walks the request's chain once, intersecting masks, so it costs
-O(matched chunks + backends that drop out), not O(backends × chunks): at 64 backends and a 32-chunk
-match it is a few microseconds.
+Lookup (:meth:`matched_tokens`, :meth:`matched_chunks`) walks the request's chain once, intersecting
+masks, so it costs O(matched chunks + backends that drop out), not O(backends × chunks): at 64
+backends and a 32-chunk match it is a few microseconds.
 
 The index is a guess; :class:`~hetroute.prefix.trust.CacheTrust` corrects it with the engines' own hit
 counters.
@@ -28,6 +28,7 @@ counters.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -98,22 +99,40 @@ class PrefixIndex:
 
     def matched_chunks(self, hashes: Sequence[int], now_s: float) -> FloatArray:
         """Leading chunks of ``hashes`` each backend is assumed to hold (n floats; expired ones miss)."""
+        out = self.matched_tokens(hashes, now_s, 1.0, math.inf)
+        return np.zeros(self._n, dtype=np.float64) if out is None else out
+
+    def matched_tokens(
+        self, hashes: Sequence[int], now_s: float, tokens_per_chunk: float, max_tokens: float
+    ) -> FloatArray | None:
+        """Per backend, ``min(leading chunks of hashes it holds · tokens_per_chunk, max_tokens)``, or
+        None when no backend holds the first chunk (one pass; the values are written as the walk
+        finds each depth, with no array arithmetic after it)."""
         if now_s - self._last_sweep_s > self._ttl_s * SWEEP_FRACTION:
             self._sweep(now_s)
-        out: FloatArray = np.zeros(self._n, dtype=np.float64)
         mask = self._all
         holders = self._holders
+        out: FloatArray | None = None
         depth = 0
         for h in hashes:
             held = holders.get(h, 0) & mask
             if held != mask:
-                if depth:  # backends dropping out at depth 0 keep their 0
-                    _fill(out, mask & ~held, depth)
+                if not depth:  # backends dropping out at depth 0 hold nothing
+                    if not held:
+                        return None
+                else:
+                    if out is None:
+                        out = np.zeros(self._n, dtype=np.float64)
+                    _fill(out, mask & ~held, min(depth * tokens_per_chunk, max_tokens))
                 mask = held
                 if not mask:
                     return out
             depth += 1
-        _fill(out, mask, depth)
+        if not depth:
+            return None
+        if out is None:
+            out = np.zeros(self._n, dtype=np.float64)
+        _fill(out, mask, min(depth * tokens_per_chunk, max_tokens))
         return out
 
     def _sweep(self, now_s: float) -> None:

@@ -16,8 +16,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
-
 from hetroute.prefix.hashing import ROUTER_CHUNK_TOKENS
 from hetroute.prefix.index import PrefixIndex
 from hetroute.prefix.sessions import SessionTable
@@ -78,11 +76,10 @@ class PrefixState:
         the request has no full chunk or no backend holds any of it."""
         if not features.prefix_hashes:
             return None
-        chunks = self.index.matched_chunks(features.prefix_hashes, now_s)
-        if not chunks.any():
-            return None  # nothing cached anywhere: the decision is the one without the prefix term
         cap = max(float(features.input_tokens) - 1.0, 0.0)
-        out: FloatArray = np.minimum(chunks * features.prefix_chunk_tokens, cap)
+        out = self.index.matched_tokens(features.prefix_hashes, now_s, features.prefix_chunk_tokens, cap)
+        if out is None:
+            return None  # nothing cached anywhere: the decision is the one without the prefix term
         out.flags.writeable = False
         return out
 

@@ -79,6 +79,16 @@ def test_index_matches_the_longest_held_prefix_per_backend() -> None:
     assert idx.matched_chunks(chain, 1.0).tolist() == [8, 0, 5]
     assert idx.matched_chunks(fork, 1.0).tolist() == [3, 0, 3]
     assert idx.total_chunks() == 8
+    # In tokens, clipped to the prompt's own cap as the walk writes them; None when no backend holds
+    # the first chunk (or there is no chunk), which the router reads as "no prefix term".
+    held = idx.matched_tokens(chain, 1.0, 64.0, 400.0)
+    assert held is not None and held.tolist() == [400.0, 0.0, 320.0]
+    held = idx.matched_tokens(fork, 1.0, 64.0, 400.0)
+    assert held is not None and held.tolist() == [192.0, 0.0, 192.0]
+    other = text_chunk_hashes("z" * ROUTER_CHUNK_CHARS * 4)
+    assert idx.matched_tokens(other, 1.0, 64.0, 400.0) is None
+    assert idx.matched_tokens(chain[:0], 1.0, 64.0, 400.0) is None
+    assert idx.matched_chunks(other, 1.0).tolist() == [0, 0, 0]
 
 
 def test_index_matches_on_many_holders_as_on_few() -> None:
