@@ -15,13 +15,21 @@ log-ratio of the last ``DRIFT_WINDOW`` observations exceeds ``log(drift_ratio)``
 the backend has drifted: the regime starts at the oldest of those observations, older rows keep
 ``stale_weight`` of their weight, the exploration count restarts and the backend is refitted at the
 next refit.
+
+Peers. What a backend publishes is its own fit (its prior before one) except among peers: backends
+with equal informed priors publish the best-learned peer's model until they have 16 fitted requests
+(:meth:`LiveModels._borrow_from_peers`); backends on the neutral default whose engines report equal
+KV capacities and slot limits publish one pooled fit, each leaving the pool while its own fit differs
+from the others' (:meth:`LiveModels._pool_nothing_known`). ``describe`` says which.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import math
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +54,16 @@ OBSERVE_BATCH = 64
 PEER_MIN_SAMPLES = 16
 """A backend with fewer fitted observations than this publishes the model of its best-learned peer
 (:meth:`LiveModels.refit`), if it has one."""
+POOL_CHECK = 16
+"""Newest requests of a nothing-known peer on which its own fit and the other members' are compared."""
+POOL_LEAVE_RATIO = 1.4
+"""A nothing-known peer whose own fit predicts its requests more than 1.4× apart from the other members'
+(median ratio, either way) leaves the pool (:meth:`LiveModels._pool_nothing_known`)."""
+POOL_EXACT_OTHERS = 8
+"""Up to this many fitted members, each is compared with the median of the *others'* fits; beyond, with
+the median of all (one member hardly moves it)."""
+POOL_NAMES_SHOWN = 8
+"""``describe``'s ``published_from`` names at most this many members of a pool."""
 PEER_KINDS = frozenset({"profile", "roofline"})
 """Prior kinds that say two backends are the same hardware when their priors are equal (a neutral
 default says nothing about the hardware, so equal neutral priors alone do not make peers: see
@@ -112,10 +130,19 @@ class _Backend:
 class _Pool:
     """The pooled fit of one group of nothing-known peers (:meth:`LiveModels._pool_nothing_known`)."""
 
+    group: tuple[int, ...]
+    """Every backend of the group (same reported capacity and slot limit)."""
     members: tuple[int, ...]
+    """The members whose requests it holds (the group but those that left)."""
+    left: frozenset[int]
+    """Members that publish their own fit (:meth:`LiveModels._differs`)."""
     fit: FitResult
     params: FloatArray
     rows: RowCache
+
+
+_NO_FIT = FitResult((0.0,) * 8, (0.0,) * 8, 0, 0.0, math.nan, math.nan, math.nan)
+"""A pool with fewer than two members fits nothing (:meth:`LiveModels._pool_nothing_known`)."""
 
 
 class LiveModels:
@@ -149,6 +176,8 @@ class LiveModels:
         """Backends publishing another model than their own fit or prior, and whose (``describe``)."""
         start = initial_params if initial_params is not None else [p.params for p in priors]
         params = np.array(start, dtype=np.float64).reshape(len(priors), 8)
+        self._start = [tuple(float(v) for v in row) for row in params]
+        """What each backend published before its first fit (its own model until then)."""
         params.flags.writeable = False
         self.params: FloatArray = params
         self._queued: list[Observation] = []
@@ -175,6 +204,7 @@ class LiveModels:
         names = list(self.names)
         params = self.params.copy()
         if i == len(self._b):
+            self._start.append(tuple(float(v) for v in row))
             self._b.append(fresh)
             names.append(name)
             self._fallback_caps = np.append(self._fallback_caps, capacity_tokens)
@@ -183,6 +213,7 @@ class LiveModels:
             self._max_seqs = np.append(self._max_seqs, max_num_seqs)
             params = np.vstack([params, row.reshape(1, 8)])
         else:
+            self._start[i] = tuple(float(v) for v in row)
             self._b[i] = fresh
             names[i] = name
             self._fallback_caps[i] = self._caps[i] = capacity_tokens
@@ -382,24 +413,28 @@ class LiveModels:
     def _pool_nothing_known(self, params: FloatArray, now_s: float, refitted: set[int]) -> int:
         """Nothing-known peers: backends on the neutral default (prior kind ``neutral``) whose reported
         KV capacity (:meth:`set_capacities`) and ``max_num_seqs`` are equal, i.e. the same engine on the
-        same hardware as far as the engines themselves say. While a member has fewer than
-        ``PEER_MIN_SAMPLES`` fitted observations it publishes, in ``params`` (modified in place), the fit
-        over the observations of every member pooled (one curve learned from the group's traffic,
-        from ``NEUTRAL_LEARNING_PRIOR`` as each member's own fit starts); its own fit takes over from
-        its 16th request. Returns how many rows changed. The pooled fit is recomputed only when a
-        member was refitted in this call (``refitted``) or the group changed.
+        same hardware as far as the engines themselves say. Each publishes, in ``params`` (modified in
+        place), one fit over the group's pooled observations (from ``NEUTRAL_LEARNING_PRIOR``, as each
+        member's own fit starts) unless it has left the pool: a member with at least
+        ``PEER_MIN_SAMPLES`` fitted observations whose own fit predicts its newest ``POOL_CHECK``
+        requests more than ``POOL_LEAVE_RATIO`` faster or slower than most other members' own fits do
+        (:meth:`_differs`) publishes its own fit, and its requests leave the pool; it rejoins when it
+        no longer differs. Returns how many rows changed. Who left is judged again, and the pooled fit
+        recomputed, only when a member was refitted in this call (``refitted``) or the group changed.
 
         Why: until its first fit a backend is priced by ``NEUTRAL_PARAMS`` (0.2 ms per prompt token
         and no prefill-queue term), and the first backend to finish a request gets a fitted model that
         is usually faster (an A100 learned 0.11 ms per token from one request); beside peers still on
         the neutral default it then draws most requests until its own queue catches up (four equal
         A100s, `rag` at 1.2 load, nothing known, through the gateway: 12 of the next 16 requests, p99
-        TTFT 2.41 s against `cache_aware`'s 1.52 s; docs/learning.md, "Nothing-known peers pool
-        their traffic"). Peers by informed priors wait for one to have 16 requests
-        (:meth:`_borrow_from_peers`), which a group on the neutral default cannot do beside lone
-        backends that publish their first fit at once; pooled, the group's model is learned as early
-        as a lone backend's and from more requests. A capacity the engine did not report (the
-        fallback) makes no group: equal fallbacks say nothing about the hardware."""
+        TTFT 2.41 s against `cache_aware`'s 1.52 s). Later, equal backends' own fits disagree on the
+        decode curve's shape (fitted at the batch sizes each happened to run), and the one rated
+        cheapest draws more requests (docs/learning.md, "Nothing-known peers pool their traffic").
+        Peers by informed priors wait for one to have 16 requests (:meth:`_borrow_from_peers`), which a
+        group on the neutral default cannot do beside lone backends that publish their first fit at
+        once. A member that really differs (another GPU with the same memory, a throttled one) shows it
+        on its own requests and leaves. A capacity the engine did not report (the fallback) makes no
+        group: equal fallbacks say nothing about the hardware."""
         groups: dict[tuple[float, float], list[int]] = {}
         for i, b in enumerate(self._b):
             if b.prior.kind == "neutral" and self._caps_reported[i]:
@@ -408,30 +443,113 @@ class LiveModels:
             del self._pools[key]
         changed = 0
         for key, members in groups.items():
-            learning = [i for i in members if self._fitted(i) < PEER_MIN_SAMPLES]
-            if len(members) < 2 or not learning:
+            if len(members) < 2:
                 self._pools.pop(key, None)
                 continue
-            pool = self._pools.get(key)
-            if pool is None or pool.members != tuple(members) or not refitted.isdisjoint(members):
-                pool = self._pools[key] = self._pool_fit(key, tuple(members), now_s, pool)
-            if pool.fit.samples == 0:
-                continue
-            names = ", ".join(self.names[j] for j in members)
+            old = self._pools.get(key)
+            if old is not None and refitted.isdisjoint(members) and old.group == tuple(members):
+                pool: _Pool | None = old  # nothing new: the same pool and the same leavers
+            else:
+                pool = self._pool(key, tuple(members), old, now_s, refitted)
+            assert pool is not None
+            self._pools[key] = pool
+            pooling = len(pool.members) >= 2 and pool.fit.samples > 0
+            shown = [self.names[j] for j in pool.members[:POOL_NAMES_SHOWN]]
+            more = len(pool.members) - len(shown)
+            names = ", ".join(shown) + (f" and {more} more" if more else "")
             origin = f"pooled fit of {names} ({pool.fit.samples} requests)"
-            for i in learning:
-                self._published_from[i] = origin
-                if not np.array_equal(params[i], pool.params):
-                    params[i] = pool.params
+            for i in members:
+                if pooling and i not in pool.left:
+                    self._published_from[i] = origin
+                    source = pool.params
+                else:  # its own: its fit, else what it started with
+                    fit = self._b[i].fit
+                    source = np.asarray(fit.params if fit is not None else self._start[i], dtype=np.float64)
+                if not np.array_equal(params[i], source):
+                    params[i] = source
                     changed += 1
         return changed
 
-    def _pool_fit(
-        self, key: tuple[float, float], members: tuple[int, ...], now_s: float, old: _Pool | None
+    def _pool(
+        self,
+        key: tuple[float, float],
+        group: tuple[int, ...],
+        old: _Pool | None,
+        now_s: float,
+        refitted: set[int],
     ) -> _Pool:
-        """One fit over the observations of ``members`` (same capacity and slot limit: ``key``)."""
+        """The group's pool: one fit over every member but those that left. Who leaves is judged again
+        for the members refitted in this call (all of them when the group changed): a member leaves when
+        its own fit predicts its own newest requests more than ``POOL_LEAVE_RATIO`` apart from the
+        typical other member (:meth:`_differs`), and rejoins when it no longer does. At most one fit,
+        and only when a staying member was refitted or who stays changed."""
+        same_group = old is not None and old.group == group
+        left = set(old.left) if old is not None and same_group else set()
+        typical = self._typical(group)
+        for i in group if not same_group else sorted(refitted.intersection(group)):
+            if self._differs(i, key, typical.get(i)):
+                left.add(i)
+            else:
+                left.discard(i)
+        staying = tuple(i for i in group if i not in left)
+        if len(staying) < 2:
+            return _Pool(group, staying, frozenset(left), _NO_FIT, np.zeros(8), RowCache())
+        if old is not None and old.members == staying and refitted.isdisjoint(staying):
+            return _Pool(group, staying, frozenset(left), old.fit, old.params, old.rows)
+        return self._pool_fit(key, group, staying, frozenset(left), now_s, old)
+
+    def _typical(self, group: tuple[int, ...]) -> dict[int, list[list[float]]]:
+        """Per member with its own fit on at least ``PEER_MIN_SAMPLES`` requests, the models it is judged
+        against: every other such member's own fit, or, beyond ``POOL_EXACT_OTHERS`` of them, their
+        element-wise median p1..p8 alone (absent without another such member)."""
+        fitted = [i for i in group if self._fitted(i) >= PEER_MIN_SAMPLES]
+        if len(fitted) < 2:
+            return {}
+        own = {i: list(self._b[i].fit.params) for i in fitted}  # type: ignore[union-attr]
+        if len(fitted) > POOL_EXACT_OTHERS:  # one member hardly moves the median of many
+            common = np.median(np.array(list(own.values()), dtype=np.float64), axis=0).tolist()
+            return {i: [common] for i in fitted}
+        return {i: [own[j] for j in fitted if j != i] for i in fitted}
+
+    def _differs(self, i: int, key: tuple[float, float], others: list[list[float]] | None) -> bool:
+        """Whether member ``i``'s own fit predicts its newest ``POOL_CHECK`` requests more than
+        ``POOL_LEAVE_RATIO`` apart (median ratio, either way) from more than half of ``others``, the
+        other members' models (no verdict, False, without them): two equal backends and one that is
+        not, the odd one differs from both and the others from one each, so only the odd one leaves."""
+        fit = self._b[i].fit
+        if not others or fit is None or fit.samples < PEER_MIN_SAMPLES:
+            return False
+        window = self._b[i].observations
+        recent = list(itertools.islice(window, max(0, len(window) - POOL_CHECK), None))
+        own = list(fit.params)
+        mine = [predict_e2e_s(own, obs, key[0], key[1]) for obs in recent]
+        limit = math.log(POOL_LEAVE_RATIO)
+        apart = 0
+        for model in others:
+            theirs = [predict_e2e_s(model, obs, key[0], key[1]) for obs in recent]
+            ratios = [m / t for m, t in zip(mine, theirs, strict=True) if m > 0 and t > 0]
+            if ratios and abs(math.log(statistics.median(ratios))) > limit:
+                apart += 1
+        return 2 * apart > len(others)
+
+    def _pool_fit(
+        self,
+        key: tuple[float, float],
+        group: tuple[int, ...],
+        members: tuple[int, ...],
+        left: frozenset[int],
+        now_s: float,
+        old: _Pool | None,
+    ) -> _Pool:
+        """One fit over the newest observations of ``members`` (same capacity and slot limit: ``key``),
+        at most ``window // len(members)`` (at least 1) from each, so that a pool costs about one
+        backend's fit however large the group."""
         rows = old.rows if old is not None else RowCache()
-        observations = [obs for i in members for obs in self._b[i].observations]
+        share = max(1, self.config.window // len(members))
+        observations: list[Observation] = []
+        for i in members:
+            window = self._b[i].observations
+            observations.extend(itertools.islice(window, max(0, len(window) - share), None))
         fit = fit_backend(
             observations,
             self._b[members[0]].prior.params,
@@ -443,7 +561,7 @@ class LiveModels:
         )
         pooled = np.array(fit.params, dtype=np.float64)
         pooled.flags.writeable = False
-        return _Pool(members, fit, pooled, rows)
+        return _Pool(group, members, left, fit, pooled, rows)
 
     def _fitted(self, i: int) -> int:
         """Observations backend ``i``'s latest fit used (0 before its first)."""

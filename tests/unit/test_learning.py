@@ -304,13 +304,11 @@ def test_peers_with_the_same_informed_prior_publish_the_best_learned_model_until
     assert live.params[1][0] == pytest.approx(fast[0], rel=0.15)  # enough of its own: its own fit
 
 
-def test_nothing_known_backends_with_equal_reported_capacity_publish_a_pooled_fit_until_16_of_their_own() -> (
-    None
-):
+def test_nothing_known_backends_with_equal_reported_capacity_publish_one_pooled_fit() -> None:
     """Backends on the neutral default are peers only when the engines report equal KV capacities and
-    the slot limits are equal: while one has fewer than PEER_MIN_SAMPLES fitted requests it publishes
-    one fit over the whole group's observations, so the first to finish a request does not look faster
-    than the rest still on the neutral default. A capacity not reported (the fallback) makes no group."""
+    the slot limits are equal: they publish one fit over the whole group's observations, so neither
+    the first to finish a request nor the one whose own fit happens to rate it cheapest looks faster
+    than the rest. A capacity not reported (the fallback) makes no group."""
     neutral = PriorModel(NEUTRAL_LEARNING_PRIOR.as_tuple(), "nothing known", "neutral")
     start = [NEUTRAL_PARAMS.as_tuple()] * 4
     live = LiveModels(["a", "b", "c", "d"], [neutral] * 4, [CAP] * 4, [SEQS] * 4, LearningConfig(), start)
@@ -337,15 +335,54 @@ def test_nothing_known_backends_with_equal_reported_capacity_publish_a_pooled_fi
     assert live.samples.tolist() == [5.0, 5.0, 0.0, 0.0]  # exploration still counts each one's own
     for obs in rows[10:40]:
         live.observe(obs)
-        alone.observe(obs)
     live.refit(now_s=30.0)
-    alone.refit(now_s=30.0)
-    assert live.fit_of(0) is not None and live.fit_of(0).samples >= PEER_MIN_SAMPLES  # type: ignore[union-attr]
-    assert live.params[0].tolist() == alone.params[0].tolist()  # enough of its own: its own fit
-    assert live.params[1].tolist() != live.params[0].tolist()  # b, 5 of its own: still the pool's
-    assert live.describe(0)["published_from"] is None
-    assert live.describe(1)["published_from"] == "pooled fit of a, b (40 requests)"
+    fit_a = live.fit_of(0)
+    assert fit_a is not None and fit_a.samples >= PEER_MIN_SAMPLES
+    assert live.params[0].tolist() == live.params[1].tolist() != list(fit_a.params)  # still the pool
+    assert live.describe(0)["published_from"] == "pooled fit of a, b (40 requests)"
     assert live.params[1][0] == pytest.approx(fast[0], rel=0.2)
+
+
+def test_a_nothing_known_peer_whose_own_fit_differs_leaves_the_pool() -> None:
+    """Equal reported capacities do not prove equal hardware: a member whose own fit predicts its own
+    requests more than POOL_LEAVE_RATIO apart from the others' pool publishes its own fit, and the
+    others pool without its requests."""
+    neutral = PriorModel(NEUTRAL_LEARNING_PRIOR.as_tuple(), "nothing known", "neutral")
+    live = LiveModels(["a", "b", "c"], [neutral] * 3, [CAP] * 3, [SEQS] * 3, LearningConfig())
+    live.set_capacities(np.full(3, CAP))
+    slow = tuple(v * 2.0 for v in TRUE)
+    for b, (params, seed) in enumerate(((TRUE, 21), (TRUE, 22), (slow, 23))):
+        for obs in synthetic(params, 60, random.Random(seed)):
+            live.observe(obs._replace(backend_index=b))
+    live.refit(now_s=10.0)
+    own_c = live.fit_of(2)
+    assert own_c is not None and live.params[2].tolist() == list(own_c.params)
+    assert live.describe(2)["published_from"] is None
+    assert live.params[0].tolist() == live.params[1].tolist()
+    assert live.describe(0)["published_from"] == "pooled fit of a, b (120 requests)"
+    obs = synthetic(TRUE, 1, random.Random(24))[0]
+    pooled_s = predict_e2e_s(live.params[0].tolist(), obs, CAP, SEQS)
+    assert pooled_s == pytest.approx(predict_e2e_s(TRUE, obs, CAP, SEQS), rel=0.15)
+    assert predict_e2e_s(live.params[2].tolist(), obs, CAP, SEQS) > 1.6 * pooled_s
+
+
+def test_a_pool_fits_at_most_one_window_however_large_the_group() -> None:
+    """A pool takes only each member's newest window // members observations (at least one), so its fit
+    costs about one backend's however large the group (here 8 members, one that never finished a
+    request, and windows of 64: 8 requests from each of the seven)."""
+    neutral = PriorModel(NEUTRAL_LEARNING_PRIOR.as_tuple(), "nothing known", "neutral")
+    n = 8
+    live = LiveModels(
+        [f"b{i}" for i in range(n)], [neutral] * n, [CAP] * n, [SEQS] * n, LearningConfig(window=64)
+    )
+    live.set_capacities(np.full(n, CAP))
+    rows = synthetic(TRUE, 40 * (n - 1), random.Random(13))
+    for k, obs in enumerate(rows):
+        live.observe(obs._replace(backend_index=k % (n - 1)))  # b7 never finishes one
+    live.refit(now_s=100.0)
+    assert [live.observed_total(i) for i in range(n)] == [40] * (n - 1) + [0]
+    pooled = f"pooled fit of {', '.join(live.names)} ({8 * (n - 1)} requests)"
+    assert all(live.describe(i)["published_from"] == pooled for i in range(n))
 
 
 def test_a_two_fold_slow_down_is_detected_as_drift_and_relearned() -> None:
