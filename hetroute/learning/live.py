@@ -448,10 +448,9 @@ class LiveModels:
                 continue
             old = self._pools.get(key)
             if old is not None and refitted.isdisjoint(members) and old.group == tuple(members):
-                pool: _Pool | None = old  # nothing new: the same pool and the same leavers
+                pool = old  # nothing new: the same pool and the same leavers
             else:
                 pool = self._pool(key, tuple(members), old, now_s, refitted)
-            assert pool is not None
             self._pools[key] = pool
             pooling = len(pool.members) >= 2 and pool.fit.samples > 0
             shown = [self.names[j] for j in pool.members[:POOL_NAMES_SHOWN]]

@@ -110,28 +110,21 @@ class PrefixIndex:
         finds each depth, with no array arithmetic after it)."""
         if now_s - self._last_sweep_s > self._ttl_s * SWEEP_FRACTION:
             self._sweep(now_s)
-        mask = self._all
         holders = self._holders
-        out: FloatArray | None = None
+        if not hashes or not holders.get(hashes[0], 0):
+            return None
+        out: FloatArray = np.zeros(self._n, dtype=np.float64)
+        mask = self._all
         depth = 0
         for h in hashes:
             held = holders.get(h, 0) & mask
             if held != mask:
-                if not depth:  # backends dropping out at depth 0 hold nothing
-                    if not held:
-                        return None
-                else:
-                    if out is None:
-                        out = np.zeros(self._n, dtype=np.float64)
+                if depth:  # backends dropping out at depth 0 hold nothing
                     _fill(out, mask & ~held, min(depth * tokens_per_chunk, max_tokens))
                 mask = held
                 if not mask:
                     return out
             depth += 1
-        if not depth:
-            return None
-        if out is None:
-            out = np.zeros(self._n, dtype=np.float64)
         _fill(out, mask, min(depth * tokens_per_chunk, max_tokens))
         return out
 
