@@ -205,6 +205,10 @@ def choose_scalar(
         low = min(rank[k] for k in tied)
         cut_own = low + 1e-12 * max(1.0, abs(low))
         tied = [k for k in tied if rank[k] <= cut_own]
+        if len(tied) > 1:
+            pending = snap.prefill_pending_tokens
+            least = min(pending[cand[k]] for k in tied)
+            tied = [k for k in tied if pending[cand[k]] <= least]
     k = tied[rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
     k = _keep_session(policy, snap, cand, score, own, k)
     explored = _explore(policy, rng, features, snap, cand, n_req, k)

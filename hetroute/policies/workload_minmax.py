@@ -9,8 +9,10 @@ Per request r and candidate s (method.md §5):
     c         = argmin_s max( max_{j≠s} L_j , L_s + w_r^s )
 
 ``L_j = snapshot.workload[j]`` over **all** backends (not only candidates); the minimum starts at
-+∞ (the paper's pseudo-code starts at 0); ties go to the smallest ``L_s + w_r^s``, then to a seeded
-random choice. The decision's ``workload_cost`` is ``w_r^c``: the router adds it to ``L_c`` and the
++∞ (the paper's pseudo-code starts at 0); ties go to the smallest ``L_s + w_r^s`` (with the latency
+floor: the smallest ``max(L_s + w_r^s, lat)``), then to the fewest prompt tokens waiting for a first
+token (the ledger's ``prefill_pending_tokens``), then to a seeded random choice. The decision's
+``workload_cost`` is ``w_r^c``: the router adds it to ``L_c`` and the
 ledger removes it exactly once when the request ends, whatever the outcome; the ledger also carries
 ``I + Õ`` as running tokens and replaces predicted tokens with generated ones as they stream
 (closing the loop). The exponent is capped at ``MAX_EXPONENT`` so a load can never become ∞.
@@ -317,6 +319,9 @@ class MinMaxPolicy:
         if tied.size > 1:
             own_tied = rank[tied]
             tied = tied[own_tied <= float(own_tied.min()) + 1e-12 * max(1.0, abs(float(own_tied.min())))]
+            if tied.size > 1:  # then the fewest prompt tokens waiting for a first token (module doc)
+                waiting = snapshot.prefill_pending_tokens[candidates[tied]]
+                tied = tied[waiting <= float(waiting.min())]
         k = int(tied[self._rng.randrange(tied.size)]) if tied.size > 1 else int(tied[0])
         k = self._keep_session(snapshot, candidates, score, own, k)
         explored = self._explore(features, snapshot, candidates, k)

@@ -219,6 +219,26 @@ def test_exact_ties_are_broken_by_a_seeded_random_choice() -> None:
     assert picks(3) != picks(4)
 
 
+def test_equal_latency_floors_go_to_the_fewest_waiting_prompt_tokens_not_to_a_coin() -> None:
+    # Nothing known: both backends on the neutral default, so the latency floor (which dominates
+    # under light load) is the same value on each and prices no queue (p1 = 0).
+    unknown = (backend("a"), backend("b"))
+    big = req(5000, 200)
+    for seed in range(8):
+        policy = build_policy("balanced_minmax", {"seed": seed}, PolicyContext(unknown))
+        assert isinstance(policy, MinMaxPolicy)
+        for waiting, expected in (([6984.0, 0.0], 1), ([0.0, 3000.0], 0)):
+            s = snap(unknown, caps=[100_000, 100_000], prefill_pending=waiting, workload=[0.4, 0.0])
+            lat = policy.latency(big, s, BOTH)
+            assert lat[0] == lat[1] > 1.0  # the floors tie, far above the drain times
+            assert policy.choose(big, s, BOTH).index == expected
+            assert policy.choose_vectorised(big, s, BOTH).index == expected  # the array path alike
+    # Equal waiting tokens still go to the seeded coin.
+    policy = build_policy("balanced_minmax", {"seed": 3}, PolicyContext(unknown))
+    idle = snap(unknown, caps=[100_000, 100_000])
+    assert {policy.choose(big, idle, BOTH).index for _ in range(40)} == {0, 1}
+
+
 def test_exponent_is_capped_so_loads_stay_finite() -> None:
     policy = minmax(theta=100.0)
     t, _, w = policy.costs(req(), snap(TWO, kv_tokens=[1e9, 1e9]), BOTH)
