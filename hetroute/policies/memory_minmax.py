@@ -3,7 +3,8 @@
 The min-max mapper of ``workload_minmax`` with the time term removed, ``T_r^s ≡ 1``:
 
     w_r^s = exp(θ · kvusage_s),   kvusage_s = Σ_{in flight on s} (I + generated + remaining Õ) / cap_s
-    c     = argmin_s max( max_{j≠s} L_j , L_s + w_r^s )     (ties: smallest L_s + w, then seeded random)
+    c     = argmin_s max( max_{j≠s} L_j , L_s + w_r^s )
+            (ties: smallest L_s + w, then fewest P_s, then seeded random)
 
 so only KV capacity distinguishes backends. Params: ``theta`` (default 2), ``kv_signal``
 (``ledger``/``engine``/``max``, see workload_minmax), ``seed``.
