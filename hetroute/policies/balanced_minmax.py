@@ -38,6 +38,25 @@ context or queue term, so the same value on each), the backend with the fewest p
 for a first token (``P_s``, counted by the ledger, no model needed) takes r before a coin is tossed:
 a run of coins could stack several long prompts on one backend while another stood idle (docs/learning.md,
 "The prior").
+
+Params: ``theta`` (default 0), ``latency_floor`` (default true), ``prefill_queue`` (default true: the
+``p1_s · P_s`` term), ``ttft_weight`` (κ ≥ 0, default 8; 0 gives the plain latency), ``kv_signal``
+(``ledger``/``engine``/``max``), ``batch_kv`` (``full``/``average``), ``seed``. κ = 8 was chosen on
+the simulator benchmark (docs/policies.md): 4 helps less, 16 raises p99 TTFT on paper-b at 24 req/s.
+
+Prefix-cache locality (docs/prefix.md): with ``prefix`` (default true) T_r^s and r's own prefill (κ
+included) count only the prompt tokens not estimated cached on s, ``U_r^s = I_r − cached_s``
+(``ClusterSnapshot.prefix_cached_tokens``; ``U_r^s = I_r`` without the term), with no credit on a
+backend far busier than every other in drain time or in prompts waiting for a first token (the balance
+guards), and on a backend whose model has no queue term yet (p1 = 0, the neutral default before its
+first fit) less the prompt tokens it has waiting beyond the least-waiting candidate; ``P_s`` keeps the
+whole prompts.
+``cache_weight`` (F, default 3) counts the prefill a hit saves F times where the min-max is
+indifferent: with ``D_s = L_s + w_r^s − (F − 1)·(p1·b + p3)·cached_s/b`` (the share of w_r^s the cached
+tokens save), the score takes ``max(D_s, L_s, lat)`` (never below the backend's own drain time) and ties
+go to the smallest ``max(D_s, lat)``; the ledger is charged w_r^s itself.
+``session_slack`` (default 0.1) keeps a session on its last backend while that is within 10 % of the
+choice.
 """
 
 from __future__ import annotations
