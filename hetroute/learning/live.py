@@ -501,14 +501,17 @@ class LiveModels:
         """Per member with its own fit on at least ``PEER_MIN_SAMPLES`` requests, the models it is judged
         against: every other such member's own fit, or, beyond ``POOL_EXACT_OTHERS`` of them, their
         element-wise median p1..p8 alone (absent without another such member)."""
-        fitted = [i for i in group if self._fitted(i) >= PEER_MIN_SAMPLES]
-        if len(fitted) < 2:
+        own = {
+            i: list(fit.params)
+            for i in group
+            if (fit := self._b[i].fit) is not None and fit.samples >= PEER_MIN_SAMPLES
+        }
+        if len(own) < 2:
             return {}
-        own = {i: list(self._b[i].fit.params) for i in fitted}  # type: ignore[union-attr]
-        if len(fitted) > POOL_EXACT_OTHERS:  # one member hardly moves the median of many
+        if len(own) > POOL_EXACT_OTHERS:  # one member hardly moves the median of many
             common = np.median(np.array(list(own.values()), dtype=np.float64), axis=0).tolist()
-            return {i: [common] for i in fitted}
-        return {i: [own[j] for j in fitted if j != i] for i in fitted}
+            return {i: [common] for i in own}
+        return {i: [theirs for j, theirs in own.items() if j != i] for i in own}
 
     def _differs(self, i: int, key: tuple[float, float], others: list[list[float]] | None) -> bool:
         """Whether member ``i``'s own fit predicts its newest ``POOL_CHECK`` requests more than
