@@ -19,6 +19,9 @@ them with nothing known (house model names), which the README's claims also cove
     python benchmarks/prefix.py --part sim            # the full simulator table (a few minutes)
     python benchmarks/prefix.py --part gateway        # through the gateway (about 35 minutes)
     python benchmarks/prefix.py --part sim --render   # summarise the saved rows again, running nothing
+    python benchmarks/prefix.py --part sim --cells homogeneous:mooncake:1.2 --seeds 4,5,6 \
+        --rates-from benchmarks/results/prefix_sim.json --with-rows benchmarks/results/prefix_sim.json \
+        --out benchmarks/results/prefix_sim_more_seeds    # more seeds for one cell, at its stored rate
 
 Writes benchmarks/results/prefix_{sim,gateway}.json and .md. The JSON is rewritten after every run
 (``"complete": false`` until the last), so a run stopped early keeps what it measured; ``--render``
@@ -107,38 +110,96 @@ def sim_run(fleet: Any, workload: Sequence[Any], policy: str, learning: bool) ->
     }
 
 
+Cell = tuple[str, str, float]
+"""(fleet, workload, load): one cell of the table."""
+
+
+def parse_cells(text: str) -> list[Cell]:
+    """``--cells``: ``fleet:workload:load`` items separated by commas, e.g. ``mixed:mooncake:0.7``."""
+    cells: list[Cell] = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        if len(parts) != 3 or parts[0] not in FLEETS or parts[1] not in WORKLOADS:
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not fleet:workload:load (fleets {', '.join(FLEETS)}; "
+                f"workloads {', '.join(WORKLOADS)})"
+            )
+        try:
+            load = float(parts[2])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"load {parts[2]!r} in {item!r} is not a number") from None
+        cells.append((parts[0], parts[1], load))
+    return cells
+
+
+def planned_cells(args: argparse.Namespace) -> list[Cell]:
+    """The cells to run: ``--cells`` as given, else every fleet × workload × load (``mooncake`` only
+    where the trace is present)."""
+    if args.cells is not None:
+        return list(args.cells)
+    workloads = [w for w in args.workloads if w != "mooncake" or TRACE.is_file()]
+    return [(f, w, load) for f in args.fleets for w in workloads for load in args.loads]
+
+
+def stored_rates(path: Path) -> dict[Cell, float]:
+    """Each cell's arrival rate (requests/s) in an earlier results file (``--rates-from``)."""
+    rows = json.loads(path.read_text(encoding="utf-8"))["rows"]
+    return {(r["fleet"], r["workload"], float(r["load"])): float(r["rate"]) for r in rows}
+
+
 def sim_part(
     args: argparse.Namespace, on_row: Callable[[list[dict[str, Any]]], None]
 ) -> list[dict[str, Any]]:
-    """Every run of the simulator table; ``on_row`` gets the rows so far after each run."""
+    """Every run of the simulator table; ``on_row`` gets the rows so far after each run.
+
+    With ``args.rates_from`` each cell runs at the arrival rate stored there (no capacity run), so
+    more seeds can be added to a table at exactly its rates even after the default's capacity moved;
+    with ``args.with_rows`` the rows of that file for the planned cells and other seeds come first."""
     rows: list[dict[str, Any]] = []
-    workloads = [w for w in args.workloads if w != "mooncake" or TRACE.is_file()]
-    for fleet_name in args.fleets:
+    cells = planned_cells(args)
+    pinned = stored_rates(args.rates_from) if args.rates_from is not None else None
+    if pinned is not None:
+        missing = [c for c in cells if c not in pinned]
+        if missing:
+            raise SystemExit(f"--rates-from {args.rates_from}: no rate stored for {missing}")
+    if args.with_rows is not None:
+        earlier = json.loads(args.with_rows.read_text(encoding="utf-8"))["rows"]
+        wanted = set(cells)
+        rows = [
+            r
+            for r in earlier
+            if (r["fleet"], r["workload"], float(r["load"])) in wanted and r["seed"] not in args.seeds
+        ]
+        print(f"kept {len(rows)} rows of {args.with_rows}", flush=True)
+    capacities: dict[str, float] = {}
+    max_len = MAX_MODEL_LEN
+    for fleet_name, kind, load in cells:
         fleet = fleet_of(fleet_name, args.blind)
-        max_len = MAX_MODEL_LEN
-        base = workload_of("no-sharing", args.requests, math.inf, 0, max_len)
-        capacity = sim_run(fleet, base, "default-no-prefix", True)["throughput_tok_s"]
-        print(f"{fleet_name}: no-sharing capacity {capacity:,.0f} tokens/s", flush=True)
-        for kind in workloads:
+        if pinned is not None:
+            rate = pinned[(fleet_name, kind, load)]
+        else:
+            if fleet_name not in capacities:
+                base = workload_of("no-sharing", args.requests, math.inf, 0, max_len)
+                capacities[fleet_name] = sim_run(fleet, base, "default-no-prefix", True)["throughput_tok_s"]
+                print(f"{fleet_name}: no-sharing capacity {capacities[fleet_name]:,.0f} tokens/s", flush=True)
             probe = workload_of(kind, args.requests, math.inf, 0, max_len)
-            for load in args.loads:
-                rate = load * capacity / mean_tokens(probe)
-                for seed in args.seeds:
-                    wl = workload_of(kind, args.requests, rate, seed, max_len)
-                    for policy in POLICIES:
-                        started = time.perf_counter()
-                        row = sim_run(fleet, wl, policy, True)
-                        row.update(fleet=fleet_name, workload=kind, load=load, rate=rate, seed=seed)
-                        rows.append(row)
-                        on_row(rows)
-                        print(
-                            f"  {kind:14s} load {load:.2f} ({rate:5.2f}/s) seed {seed} {policy:18s} "
-                            f"{row['throughput_tok_s']:9,.0f} tok/s  ttft p50 {row['ttft_p50_s']:7.3f} "
-                            f"p99 {row['ttft_p99_s']:7.3f}  hit {row['engine_hit_rate']:.3f} "
-                            f"(router {row['router_hit_estimate']:.3f})  "
-                            f"[{time.perf_counter() - started:.1f}s]",
-                            flush=True,
-                        )
+            rate = load * capacities[fleet_name] / mean_tokens(probe)
+        for seed in args.seeds:
+            wl = workload_of(kind, args.requests, rate, seed, max_len)
+            for policy in POLICIES:
+                started = time.perf_counter()
+                row = sim_run(fleet, wl, policy, True)
+                row.update(fleet=fleet_name, workload=kind, load=load, rate=rate, seed=seed)
+                rows.append(row)
+                on_row(rows)
+                print(
+                    f"  {kind:14s} load {load:.2f} ({rate:5.2f}/s) seed {seed} {policy:18s} "
+                    f"{row['throughput_tok_s']:9,.0f} tok/s  ttft p50 {row['ttft_p50_s']:7.3f} "
+                    f"p99 {row['ttft_p99_s']:7.3f}  hit {row['engine_hit_rate']:.3f} "
+                    f"(router {row['router_hit_estimate']:.3f})  "
+                    f"[{time.perf_counter() - started:.1f}s]",
+                    flush=True,
+                )
     return rows
 
 
@@ -225,11 +286,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--blind", action="store_true", help="nothing known: house model names, no GPU labels")
     p.add_argument("--out", type=Path, default=None, help="results file stem (default results/prefix_<part>)")
     p.add_argument(
+        "--cells",
+        type=parse_cells,
+        default=None,
+        help="sim: run only these cells, fleet:workload:load separated by commas (instead of "
+        "--fleets x --workloads x --loads), e.g. homogeneous:mooncake:1.2,mixed:mooncake:0.7",
+    )
+    p.add_argument(
+        "--rates-from",
+        type=Path,
+        default=None,
+        help="sim: run each cell at the arrival rate stored in this results JSON (no capacity run), "
+        "to add seeds to an earlier table at its exact rates",
+    )
+    p.add_argument(
+        "--with-rows",
+        type=Path,
+        default=None,
+        help="sim: keep this results JSON's rows for the cells run and the seeds not run, so the "
+        "summary covers both (e.g. seeds 1-3 stored, 4-9 run now)",
+    )
+    p.add_argument(
         "--render",
         action="store_true",
         help="run nothing: summarise the rows already in the results file again (after a summary change)",
     )
     args = p.parse_args(argv)
+    sim_only = [
+        o
+        for o, v in (
+            ("--cells", args.cells),
+            ("--rates-from", args.rates_from),
+            ("--with-rows", args.with_rows),
+        )
+        if v is not None
+    ]
+    if sim_only and (args.part != "sim" or args.render):
+        p.error(f"{', '.join(sim_only)}: only with --part sim and without --render")
+    for option, path in (("--rates-from", args.rates_from), ("--with-rows", args.with_rows)):
+        if path is not None and not path.is_file():
+            p.error(f"{option}: {path} is not a file")
     RESULTS.mkdir(exist_ok=True)
     stem = args.out or RESULTS / f"prefix_{args.part}{'_blind' if args.blind else ''}"
 
