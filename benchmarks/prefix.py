@@ -172,9 +172,12 @@ def sim_part(
         ]
         print(f"kept {len(rows)} rows of {args.with_rows}", flush=True)
     capacities: dict[str, float] = {}
+    fleets: dict[str, Any] = {}
     max_len = MAX_MODEL_LEN
     for fleet_name, kind, load in cells:
-        fleet = fleet_of(fleet_name, args.blind)
+        if fleet_name not in fleets:
+            fleets[fleet_name] = fleet_of(fleet_name, args.blind)
+        fleet = fleets[fleet_name]
         if pinned is not None:
             rate = pinned[(fleet_name, kind, load)]
         else:
