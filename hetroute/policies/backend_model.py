@@ -212,11 +212,12 @@ class BackendModels:
             np.array([m.max_num_seqs for m in self.models], dtype=np.float64), 1.0
         )
         static: FloatArray = np.array([m.static_capacity_tokens for m in self.models], dtype=np.float64)
+        self.static_capacity_tokens = static  # NaN where unknown (no profile, config or catalog value)
         known = static[np.isfinite(static)]
         neutral = float(np.median(known)) if known.size else NEUTRAL_KV_CAPACITY_TOKENS
         self.neutral_capacity_tokens = neutral
         self.fallback_capacity_tokens: FloatArray = np.where(np.isfinite(static), static, neutral)
-        for array in (self.params, self.max_num_seqs, self.fallback_capacity_tokens):
+        for array in (self.params, self.max_num_seqs, self.fallback_capacity_tokens, static):
             array.flags.writeable = False  # replaced whole (with_slot, adopt), never changed in place
 
     def with_slot(self, i: int, spec: BackendSpec) -> BackendModels:
@@ -244,6 +245,7 @@ class BackendModels:
         self.params, self.max_num_seqs = other.params, other.max_num_seqs
         self.neutral_capacity_tokens = other.neutral_capacity_tokens
         self.fallback_capacity_tokens = other.fallback_capacity_tokens
+        self.static_capacity_tokens = other.static_capacity_tokens
         self._log(self.backends[i], self.models[i])
 
     @classmethod

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hetroute.policies.backend_model import BackendModels
+from hetroute.policies.peers import all_peers
 from hetroute.types import ClusterSnapshot, IntArray, RequestFeatures, RoutingDecision
 
 SCALAR_MAX_BACKENDS = 12
@@ -105,6 +106,16 @@ class MinMaxSettings(Protocol):
     def cache_weight(self) -> float: ...
     @property
     def session_slack(self) -> float: ...
+    @property
+    def peer_latency(self) -> bool: ...
+
+
+def _peer_pick(lat: list[float], chosen: int) -> int:
+    """:func:`~hetroute.policies.peers.peer_pick` over a list (the same comparisons, the same index)."""
+    low = min(lat)
+    if not low < lat[chosen]:
+        return chosen
+    return lat.index(low)
 
 
 def output_bound(features: RequestFeatures) -> int:
@@ -210,6 +221,8 @@ def choose_scalar(
             least = min(pending[cand[k]] for k in tied)
             tied = [k for k in tied if pending[cand[k]] <= least]
     k = tied[rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
+    if policy.peer_latency and policy.latency_floor and all_peers(policy.models, snap, candidates):
+        k = _peer_pick(lat_list, k)
     k = _keep_session(policy, snap, cand, score, own, k)
     explored = _explore(policy, rng, features, snap, cand, n_req, k)
     if explored is not None:

@@ -32,7 +32,9 @@ b from I + Õ as the paper; ``average``: from I + Õ/2, the mean footprint under
 inside the latency floor), ``explore_share`` / ``explore_min_samples`` /
 ``explore_max_output_tokens`` (default 0.02 / 3 / 256: the bounded exploration of backends the live
 learner has few observations of, see :meth:`MinMaxPolicy._explore`; inert without live learning),
-``seed``.
+``peer_latency`` (default false: where every candidate is a peer, the same engine on the same hardware
+as far as the router knows, the smallest predicted latency decides instead of the min-max, see
+:mod:`.peers` and docs/prefix.md), ``seed``.
 
 With live learning the latency parameters come from the snapshot (``latency_params``), not from the
 static :class:`BackendModels` resolved at construction.
@@ -64,6 +66,7 @@ from hetroute.policies.minmax_scalar import (
     choose_scalar,
     output_bound,
 )
+from hetroute.policies.peers import all_peers, peer_pick
 from hetroute.types import BoolArray, ClusterSnapshot, FloatArray, IntArray, RequestFeatures, RoutingDecision
 
 KvSignal = Literal["ledger", "paper", "engine", "max"]
@@ -96,10 +99,19 @@ class MinMaxParams:
     prefix: bool = False
     cache_weight: Annotated[float, Range(minimum=1, maximum=100)] = 1.0
     session_slack: Annotated[float, Range(minimum=0, maximum=10)] = 0.0
+    peer_latency: bool = False
     seed: int | None = None
 
 
-TIME_ONLY_PARAMS = ("batch_kv", "latency_floor", "prefill_queue", "ttft_weight", "prefix", "cache_weight")
+TIME_ONLY_PARAMS = (
+    "batch_kv",
+    "latency_floor",
+    "prefill_queue",
+    "ttft_weight",
+    "prefix",
+    "cache_weight",
+    "peer_latency",
+)
 
 
 def kv_usage(snapshot: ClusterSnapshot, idx: IntArray, cap: FloatArray, signal: KvSignal) -> FloatArray:
@@ -171,8 +183,10 @@ class MinMaxPolicy:
         prefix: bool = False,
         cache_weight: float = 1.0,
         session_slack: float = 0.0,
+        peer_latency: bool = False,
     ) -> None:
         self.name = name
+        self.peer_latency = peer_latency
         self.prefix = prefix
         self.cache_weight = cache_weight
         self.session_slack = session_slack
@@ -303,6 +317,7 @@ class MinMaxPolicy:
             # tie-break); the makespan score keeps D ≥ L_s and the ledger is charged w (docs/prefix.md).
             rank = own - (self.cache_weight - 1.0) * np.maximum(w_saved, 0.0)
             own = np.maximum(rank, loads[candidates])
+        lat: FloatArray | None = None
         if self.latency_floor:
             lat = self.latency(features, snapshot, candidates, cached)
             own = np.maximum(own, lat)
@@ -323,6 +338,8 @@ class MinMaxPolicy:
                 waiting = snapshot.prefill_pending_tokens[candidates[tied]]
                 tied = tied[waiting <= float(waiting.min())]
         k = int(tied[self._rng.randrange(tied.size)]) if tied.size > 1 else int(tied[0])
+        if self.peer_latency and lat is not None and all_peers(self.models, snapshot, candidates):
+            k = peer_pick(lat, k)
         k = self._keep_session(snapshot, candidates, score, own, k)
         explored = self._explore(features, snapshot, candidates, k)
         if explored is not None:
@@ -482,6 +499,7 @@ def build_minmax(
         prefix=p.prefix and not unit_time,
         cache_weight=p.cache_weight,
         session_slack=p.session_slack,
+        peer_latency=p.peer_latency,
     )
 
 

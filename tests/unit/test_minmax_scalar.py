@@ -36,10 +36,17 @@ def _params(rng: random.Random) -> LatencyParams:
 
 def _fleet(rng: random.Random, n: int) -> tuple[BackendSpec, ...]:
     shared = _params(rng)
+    peers = rng.random() < 0.2  # every backend the same profile: a fleet of peers (``peer_latency``)
+    twin = LatencyProfile(
+        params=shared,
+        kv_capacity_tokens=97_000,
+        kv_capacity_source="test",
+        limits=EngineLimits(max_num_seqs=256),
+    )
     out = []
     for j in range(n):
-        profile = None
-        if rng.random() < 0.7:
+        profile = twin if peers else None
+        if not peers and rng.random() < 0.7:
             seqs = rng.choice([None, 8, 256])
             profile = LatencyProfile(
                 params=shared if rng.random() < 0.4 else _params(rng),
@@ -75,6 +82,8 @@ def _snapshot(
 
     requests = np.array([rng.choice([0, 0, 1, 3, 40]) for _ in range(n)], dtype=np.int64)
     caps = np.array([rng.choice([np.nan, 500.0, 50_000.0, 400_000.0]) for _ in range(n)], dtype=np.float64)
+    if rng.random() < 0.3:
+        caps = np.full(n, rng.choice([np.nan, 97_000.0]))  # equal (or none): peers stay peers
     learned = models.params * rng.uniform(0.5, 2.0) if rng.random() < 0.5 else None
     matched = values(2000.0) if rng.random() < 0.5 else None
     trust = np.array([rng.choice([0.05, 0.5, 1.0]) for _ in range(n)]) if matched is not None else None
@@ -117,6 +126,7 @@ def _policy_kwargs(rng: random.Random) -> dict[str, Any]:
         "prefix": rng.random() < 0.7,
         "cache_weight": rng.choice([1.0, 2.0, rng.uniform(1.0, 10.0)]),
         "session_slack": rng.choice([0.0, 0.1, 1.0]),
+        "peer_latency": rng.random() < 0.5,
     }
 
 

@@ -20,6 +20,7 @@ from hetroute.policies.backend_model import (
     BackendModels,
     describe_backend_models,
 )
+from hetroute.policies.peers import all_peers
 from hetroute.policies.workload_minmax import MAX_EXPONENT, MinMaxPolicy
 from hetroute.routing.ledger import Ledger
 from hetroute.routing.router import Router
@@ -489,3 +490,50 @@ def test_an_exploration_probe_is_bounded_by_the_clients_max_tokens(
     decision = choose(policy)
     assert (decision.index == 1) is explored
     assert decision.reason.startswith("explore") is explored
+
+
+def test_peer_latency_lets_the_request_s_own_latency_decide_among_equal_backends() -> None:
+    # Three equal backends. The first holds the makespan (drain 6 s against 4 s) but has no prompt
+    # waiting; the others have 200k prompt tokens queued. The min-max keeps a long prompt off the
+    # makespan holder, so it queues; with peer_latency its own predicted latency decides.
+    peers = tuple(backend(n, profile(FAST, 800_000)) for n in ("a", "b", "c"))
+    all3 = np.array([0, 1, 2], dtype=np.int64)
+    s = snap(peers, workload=[6.0, 4.0, 4.0], prefill_pending=[0.0, 200_000.0, 200_000.0])
+    long_prompt = req(8000, 50)
+    plain = minmax("balanced_minmax", peers)
+    peer = minmax("balanced_minmax", peers, peer_latency=True)
+    lat = peer.latency(long_prompt, s, all3)
+    assert lat[0] < lat[1] == lat[2] < 6.0  # the floor binds nowhere: the drain time decides
+    assert plain.choose(long_prompt, s, all3).index in (1, 2)
+    assert peer.choose(long_prompt, s, all3).index == 0
+    assert peer.choose_vectorised(long_prompt, s, all3).index == 0  # the array path alike
+    # the charge is still r's cost on the chosen backend
+    _, _, w = peer.costs(long_prompt, s, all3)
+    assert peer.choose(long_prompt, s, all3).workload_cost == pytest.approx(w[0])
+    # Not peers (one backend has another profile): the min-max decides as without the option.
+    mixed = (*peers[:2], backend("c", profile(SLOW, 800_000)))
+    s_mixed = snap(mixed, workload=[6.0, 4.0, 4.0], prefill_pending=[0.0, 200_000.0, 200_000.0])
+    unequal = minmax("balanced_minmax", mixed, peer_latency=True)
+    assert unequal.choose(long_prompt, s_mixed, all3).index == 1
+
+
+def test_peers_need_the_same_model_slots_and_a_known_equal_capacity() -> None:
+    known = tuple(backend(n, profile(FAST, 800_000)) for n in ("a", "b"))
+    models = BackendModels(known)
+    assert all_peers(models, snap(known), BOTH)
+    assert not all_peers(models, snap(known), np.array([0], dtype=np.int64))  # one is no fleet
+    assert not all_peers(models, snap(known, caps=[800_000, 400_000]), BOTH)  # the engines disagree
+    slots = (known[0], backend("b", profile(FAST, 800_000, max_num_seqs=128)))
+    assert not all_peers(BackendModels(slots), snap(slots), BOTH)
+    # Nothing known: equal only with a reported capacity, and while both publish the same live model
+    # (one nothing-known pool); equal fallbacks say nothing about the hardware.
+    unknown = (backend("a"), backend("b"))
+    blind = BackendModels(unknown, None)
+    assert not all_peers(blind, snap(unknown), BOTH)
+    reported = snap(unknown, caps=[100_000, 100_000])
+    assert all_peers(blind, reported, BOTH)
+    pooled = np.tile(np.array(FAST.as_tuple()), (2, 1))
+    assert all_peers(blind, reported._replace(latency_params=pooled), BOTH)
+    own = pooled.copy()
+    own[1, 0] *= 2.0
+    assert not all_peers(blind, reported._replace(latency_params=own), BOTH)
