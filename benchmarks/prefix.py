@@ -52,7 +52,10 @@ POLICIES: dict[str, tuple[str, dict[str, object]]] = {
     "cache_aware": ("cache_aware", {}),
     "prefix_scorer": ("prefix_scorer", {}),
     "session_hash": ("session_hash", {}),
+    "default-peer-latency": ("balanced_minmax", {"peer_latency": True}),
 }
+TABLE_POLICIES = ("default", "default-no-prefix", "cache_aware", "prefix_scorer", "session_hash")
+"""What a table runs unless ``--policies`` says otherwise (``default-peer-latency`` is opt-in)."""
 METRICS = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "engine_hit_rate", "router_hit_estimate")
 BASELINES = ("default-no-prefix", "cache_aware", "prefix_scorer", "session_hash")
 MAX_MODEL_LEN = 8192  # Llama-3-8B's context: every fleet here serves it
@@ -132,6 +135,15 @@ def parse_cells(text: str) -> list[Cell]:
     return cells
 
 
+def parse_policies(text: str) -> list[str]:
+    """``--policies``: names of :data:`POLICIES` separated by commas."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown policy {unknown or text!r} (known: {', '.join(POLICIES)})")
+    return names
+
+
 def planned_cells(args: argparse.Namespace) -> list[Cell]:
     """The cells to run: ``--cells`` as given, else every fleet × workload × load (``mooncake`` only
     where the trace is present)."""
@@ -154,7 +166,8 @@ def sim_part(
 
     With ``args.rates_from`` each cell runs at the arrival rate stored there (no capacity run), so
     more seeds can be added to a table at exactly its rates even after the default's capacity moved;
-    with ``args.with_rows`` the rows of that file for the planned cells and other seeds come first."""
+    with ``args.with_rows`` that file's rows for the planned cells come first, but for the seeds and
+    policies run now."""
     rows: list[dict[str, Any]] = []
     cells = planned_cells(args)
     pinned = stored_rates(args.rates_from) if args.rates_from is not None else None
@@ -168,7 +181,8 @@ def sim_part(
         rows = [
             r
             for r in earlier
-            if (r["fleet"], r["workload"], float(r["load"])) in wanted and r["seed"] not in args.seeds
+            if (r["fleet"], r["workload"], float(r["load"])) in wanted
+            and not (r["seed"] in args.seeds and r["policy"] in args.policies)
         ]
         print(f"kept {len(rows)} rows of {args.with_rows}", flush=True)
     capacities: dict[str, float] = {}
@@ -189,7 +203,7 @@ def sim_part(
             rate = load * capacities[fleet_name] / mean_tokens(probe)
         for seed in args.seeds:
             wl = workload_of(kind, args.requests, rate, seed, max_len)
-            for policy in POLICIES:
+            for policy in args.policies:
                 started = time.perf_counter()
                 row = sim_run(fleet, wl, policy, True)
                 row.update(fleet=fleet_name, workload=kind, load=load, rate=rate, seed=seed)
@@ -289,6 +303,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--blind", action="store_true", help="nothing known: house model names, no GPU labels")
     p.add_argument("--out", type=Path, default=None, help="results file stem (default results/prefix_<part>)")
     p.add_argument(
+        "--policies",
+        type=parse_policies,
+        default=list(TABLE_POLICIES),
+        help=f"sim: the policies to run, separated by commas (default {','.join(TABLE_POLICIES)}; "
+        f"also: {', '.join(p for p in POLICIES if p not in TABLE_POLICIES)})",
+    )
+    p.add_argument(
         "--cells",
         type=parse_cells,
         default=None,
@@ -318,6 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim_only = [
         o
         for o, v in (
+            ("--policies", None if args.policies == list(TABLE_POLICIES) else args.policies),
             ("--cells", args.cells),
             ("--rates-from", args.rates_from),
             ("--with-rows", args.with_rows),

@@ -172,7 +172,7 @@ def gateway_part(
     """Every run through the gateway; ``on_row`` gets the rows so far after each run. The loads are
     fractions of the simulated no-sharing capacity of the same fleet, nothing known with ``--blind``
     (as the simulator's ``--blind`` table)."""
-    from prefix import MAX_MODEL_LEN, POLICIES, fleet_of, mean_tokens, sim_run, workload_of
+    from prefix import MAX_MODEL_LEN, POLICIES, TABLE_POLICIES, fleet_of, mean_tokens, sim_run, workload_of
 
     rows: list[dict[str, Any]] = []
     for fleet_name in args.fleets:
@@ -188,7 +188,8 @@ def gateway_part(
                 rate = load * capacity / mean_tokens(probe)
                 for seed in args.seeds:
                     wl = workload_of(kind, args.requests, rate, seed, MAX_MODEL_LEN)
-                    for policy, (name, params) in POLICIES.items():
+                    for policy in TABLE_POLICIES:
+                        name, params = POLICIES[policy]
                         started = time.perf_counter()
                         row = asyncio.run(one_run(fleet, wl, name, dict(params), args.speedup, args.blind))
                         row.update(
