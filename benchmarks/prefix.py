@@ -159,6 +159,33 @@ def stored_rates(path: Path) -> dict[Cell, float]:
     return {(r["fleet"], r["workload"], float(r["load"])): float(r["rate"]) for r in rows}
 
 
+def pinned_rates(args: argparse.Namespace, cells: Sequence[Cell]) -> dict[Cell, float] | None:
+    """``--rates-from``: each planned cell's stored arrival rate, or None without the option."""
+    if args.rates_from is None:
+        return None
+    pinned = stored_rates(args.rates_from)
+    missing = [c for c in cells if c not in pinned]
+    if missing:
+        raise SystemExit(f"--rates-from {args.rates_from}: no rate stored for {missing}")
+    return pinned
+
+
+def kept_rows(args: argparse.Namespace, cells: Sequence[Cell]) -> list[dict[str, Any]]:
+    """``--with-rows``: that file's rows for the planned cells, but for the seeds and policies run now."""
+    if args.with_rows is None:
+        return []
+    earlier = json.loads(args.with_rows.read_text(encoding="utf-8"))["rows"]
+    wanted = set(cells)
+    rows = [
+        r
+        for r in earlier
+        if (r["fleet"], r["workload"], float(r["load"])) in wanted
+        and not (r["seed"] in args.seeds and r["policy"] in args.policies)
+    ]
+    print(f"kept {len(rows)} rows of {args.with_rows}", flush=True)
+    return rows
+
+
 def sim_part(
     args: argparse.Namespace, on_row: Callable[[list[dict[str, Any]]], None]
 ) -> list[dict[str, Any]]:
@@ -168,23 +195,9 @@ def sim_part(
     more seeds can be added to a table at exactly its rates even after the default's capacity moved;
     with ``args.with_rows`` that file's rows for the planned cells come first, but for the seeds and
     policies run now."""
-    rows: list[dict[str, Any]] = []
     cells = planned_cells(args)
-    pinned = stored_rates(args.rates_from) if args.rates_from is not None else None
-    if pinned is not None:
-        missing = [c for c in cells if c not in pinned]
-        if missing:
-            raise SystemExit(f"--rates-from {args.rates_from}: no rate stored for {missing}")
-    if args.with_rows is not None:
-        earlier = json.loads(args.with_rows.read_text(encoding="utf-8"))["rows"]
-        wanted = set(cells)
-        rows = [
-            r
-            for r in earlier
-            if (r["fleet"], r["workload"], float(r["load"])) in wanted
-            and not (r["seed"] in args.seeds and r["policy"] in args.policies)
-        ]
-        print(f"kept {len(rows)} rows of {args.with_rows}", flush=True)
+    pinned = pinned_rates(args, cells)
+    rows = kept_rows(args, cells)
     capacities: dict[str, float] = {}
     fleets: dict[str, Any] = {}
     max_len = MAX_MODEL_LEN
@@ -313,21 +326,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--cells",
         type=parse_cells,
         default=None,
-        help="sim: run only these cells, fleet:workload:load separated by commas (instead of "
+        help="run only these cells, fleet:workload:load separated by commas (instead of "
         "--fleets x --workloads x --loads), e.g. homogeneous:mooncake:1.2,mixed:mooncake:0.7",
     )
     p.add_argument(
         "--rates-from",
         type=Path,
         default=None,
-        help="sim: run each cell at the arrival rate stored in this results JSON (no capacity run), "
+        help="run each cell at the arrival rate stored in this results JSON (no capacity run), "
         "to add seeds to an earlier table at its exact rates",
     )
     p.add_argument(
         "--with-rows",
         type=Path,
         default=None,
-        help="sim: keep this results JSON's rows for the cells run and the seeds not run, so the "
+        help="keep this results JSON's rows for the cells run and the seeds not run, so the "
         "summary covers both (e.g. seeds 1-3 stored, 4-9 run now)",
     )
     p.add_argument(
@@ -336,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="run nothing: summarise the rows already in the results file again (after a summary change)",
     )
     args = p.parse_args(argv)
-    sim_only = [
+    run_only = [
         o
         for o, v in (
             ("--policies", None if args.policies == list(TABLE_POLICIES) else args.policies),
@@ -346,8 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if v is not None
     ]
-    if sim_only and (args.part != "sim" or args.render):
-        p.error(f"{', '.join(sim_only)}: only with --part sim and without --render")
+    if run_only and args.render:
+        p.error(f"{', '.join(run_only)}: not with --render")
     for option, path in (("--rates-from", args.rates_from), ("--with-rows", args.with_rows)):
         if path is not None and not path.is_file():
             p.error(f"{option}: {path} is not a file")

@@ -172,38 +172,54 @@ def gateway_part(
     """Every run through the gateway; ``on_row`` gets the rows so far after each run. The loads are
     fractions of the simulated no-sharing capacity of the same fleet, nothing known with ``--blind``
     (as the simulator's ``--blind`` table)."""
-    from prefix import MAX_MODEL_LEN, POLICIES, TABLE_POLICIES, fleet_of, mean_tokens, sim_run, workload_of
+    from prefix import (
+        MAX_MODEL_LEN,
+        POLICIES,
+        fleet_of,
+        kept_rows,
+        mean_tokens,
+        pinned_rates,
+        planned_cells,
+        sim_run,
+        workload_of,
+    )
 
-    rows: list[dict[str, Any]] = []
-    for fleet_name in args.fleets:
+    cells = planned_cells(args)
+    pinned = pinned_rates(args, cells)
+    rows = kept_rows(args, cells)
+    capacities: dict[str, float] = {}
+    for fleet_name, kind, load in cells:
         fleet = fleet_of(fleet_name, False)
-        base = workload_of("no-sharing", 2000, math.inf, 0, MAX_MODEL_LEN)
-        capacity = sim_run(fleet_of(fleet_name, args.blind), base, "default-no-prefix", True)[
-            "throughput_tok_s"
-        ]
-        print(f"{fleet_name}: simulated no-sharing capacity {capacity:,.0f} tokens/s", flush=True)
-        for kind in args.workloads:
+        if pinned is not None:
+            rate = pinned[(fleet_name, kind, load)]
+        else:
+            if fleet_name not in capacities:
+                base = workload_of("no-sharing", 2000, math.inf, 0, MAX_MODEL_LEN)
+                capacities[fleet_name] = sim_run(
+                    fleet_of(fleet_name, args.blind), base, "default-no-prefix", True
+                )["throughput_tok_s"]
+                print(
+                    f"{fleet_name}: simulated no-sharing capacity {capacities[fleet_name]:,.0f} tokens/s",
+                    flush=True,
+                )
             probe = workload_of(kind, args.requests, math.inf, 0, MAX_MODEL_LEN)
-            for load in args.loads:
-                rate = load * capacity / mean_tokens(probe)
-                for seed in args.seeds:
-                    wl = workload_of(kind, args.requests, rate, seed, MAX_MODEL_LEN)
-                    for policy in TABLE_POLICIES:
-                        name, params = POLICIES[policy]
-                        started = time.perf_counter()
-                        row = asyncio.run(one_run(fleet, wl, name, dict(params), args.speedup, args.blind))
-                        row.update(
-                            policy=policy, fleet=fleet_name, workload=kind, load=load, rate=rate, seed=seed
-                        )
-                        rows.append(row)
-                        on_row(rows)
-                        print(
-                            f"  {kind:14s} load {load:.2f} seed {seed} {policy:18s} "
-                            f"{row['throughput_tok_s']:9,.0f} tok/s  ttft p50 {row['ttft_p50_s']:7.3f} "
-                            f"p99 {row['ttft_p99_s']:7.3f}  hit {row['engine_hit_rate']:.3f} "
-                            f"(router {row['router_hit_estimate']:.3f}, {row['router_index_mib']:.1f} MiB) "
-                            f"done {row['completed']}/{row['requests']} "
-                            f"[{time.perf_counter() - started:.0f}s]",
-                            flush=True,
-                        )
+            rate = load * capacities[fleet_name] / mean_tokens(probe)
+        for seed in args.seeds:
+            wl = workload_of(kind, args.requests, rate, seed, MAX_MODEL_LEN)
+            for policy in args.policies:
+                name, params = POLICIES[policy]
+                started = time.perf_counter()
+                row = asyncio.run(one_run(fleet, wl, name, dict(params), args.speedup, args.blind))
+                row.update(policy=policy, fleet=fleet_name, workload=kind, load=load, rate=rate, seed=seed)
+                rows.append(row)
+                on_row(rows)
+                print(
+                    f"  {kind:14s} load {load:.2f} seed {seed} {policy:18s} "
+                    f"{row['throughput_tok_s']:9,.0f} tok/s  ttft p50 {row['ttft_p50_s']:7.3f} "
+                    f"p99 {row['ttft_p99_s']:7.3f}  hit {row['engine_hit_rate']:.3f} "
+                    f"(router {row['router_hit_estimate']:.3f}, {row['router_index_mib']:.1f} MiB) "
+                    f"done {row['completed']}/{row['requests']} "
+                    f"[{time.perf_counter() - started:.0f}s]",
+                    flush=True,
+                )
     return rows
