@@ -221,8 +221,10 @@ def choose_scalar(
             least = min(pending[cand[k]] for k in tied)
             tied = [k for k in tied if pending[cand[k]] <= least]
     k = tied[rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
+    peer_k = -1  # where peer_latency moved r, if it did (the reason then says so)
     if policy.peer_latency and policy.latency_floor and all_peers(policy.models, snap, candidates):
-        k = _peer_pick(lat_list, k)
+        minmax_k, k = k, _peer_pick(lat_list, k)
+        peer_k = k if k != minmax_k else -1
     k = _keep_session(policy, snap, cand, score, own, k)
     explored = _explore(policy, rng, features, snap, cand, n_req, k)
     if explored is not None:
@@ -231,6 +233,8 @@ def choose_scalar(
     if not math.isfinite(cost):  # pragma: no cover - guarded by MAX_EXPONENT; never charge ∞
         cost = float(np.finfo(np.float64).max) / 4
     what = "explore (few samples)" if explored is not None else f"min-max load {best:.4g}"
+    if explored is None and k == peer_k:
+        what = f"peer latency {lat_list[k]:.4g}s ({what})"
     t_k, u_k = t_list[k], u_list[k]
     return RoutingDecision(
         index=cand[k],

@@ -338,8 +338,10 @@ class MinMaxPolicy:
                 waiting = snapshot.prefill_pending_tokens[candidates[tied]]
                 tied = tied[waiting <= float(waiting.min())]
         k = int(tied[self._rng.randrange(tied.size)]) if tied.size > 1 else int(tied[0])
+        peer_k = -1  # where peer_latency moved r, if it did (the reason then says so)
         if self.peer_latency and lat is not None and all_peers(self.models, snapshot, candidates):
-            k = peer_pick(lat, k)
+            minmax_k, k = k, peer_pick(lat, k)
+            peer_k = k if k != minmax_k else -1
         k = self._keep_session(snapshot, candidates, score, own, k)
         explored = self._explore(features, snapshot, candidates, k)
         if explored is not None:
@@ -349,6 +351,8 @@ class MinMaxPolicy:
         if not math.isfinite(cost):  # pragma: no cover - guarded by MAX_EXPONENT; never charge ∞
             cost = float(np.finfo(np.float64).max) / 4
         what = "explore (few samples)" if explored is not None else f"min-max load {best:.4g}"
+        if explored is None and lat is not None and k == peer_k:
+            what = f"peer latency {float(lat[k]):.4g}s ({what})"
         return RoutingDecision(
             index=index,
             reason=f"{what}: T={t[k]:.4g}s kvusage={u[k]:.3f} w={cost:.4g}",

@@ -505,8 +505,11 @@ def test_peer_latency_lets_the_request_s_own_latency_decide_among_equal_backends
     lat = peer.latency(long_prompt, s, all3)
     assert lat[0] < lat[1] == lat[2] < 6.0  # the floor binds nowhere: the drain time decides
     assert plain.choose(long_prompt, s, all3).index in (1, 2)
-    assert peer.choose(long_prompt, s, all3).index == 0
-    assert peer.choose_vectorised(long_prompt, s, all3).index == 0  # the array path alike
+    moved = peer.choose(long_prompt, s, all3)
+    assert moved.index == 0
+    assert moved.reason.startswith("peer latency ")  # the decision says why it left the min-max
+    assert peer.choose_vectorised(long_prompt, s, all3).reason == moved.reason  # the array path alike
+    assert plain.choose(long_prompt, s, all3).reason.startswith("min-max load ")
     # the charge is still r's cost on the chosen backend
     _, _, w = peer.costs(long_prompt, s, all3)
     assert peer.choose(long_prompt, s, all3).workload_cost == pytest.approx(w[0])
