@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hetroute.policies.backend_model import BackendModels
-from hetroute.policies.peers import all_peers
+from hetroute.policies.peers import PeerMemo
 from hetroute.types import ClusterSnapshot, IntArray, RequestFeatures, RoutingDecision
 
 SCALAR_MAX_BACKENDS = 12
@@ -108,6 +108,8 @@ class MinMaxSettings(Protocol):
     def session_slack(self) -> float: ...
     @property
     def peer_latency(self) -> bool: ...
+    @property
+    def peers(self) -> PeerMemo: ...
 
 
 def _peer_pick(lat: list[float], chosen: int) -> int:
@@ -222,7 +224,7 @@ def choose_scalar(
             tied = [k for k in tied if pending[cand[k]] <= least]
     k = tied[rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
     peer_k = -1  # where peer_latency moved r, if it did (the reason then says so)
-    if policy.peer_latency and policy.latency_floor and all_peers(policy.models, snap, candidates):
+    if policy.peer_latency and policy.latency_floor and policy.peers(policy.models, snap, candidates):
         minmax_k, k = k, _peer_pick(lat_list, k)
         peer_k = k if k != minmax_k else -1
     k = _keep_session(policy, snap, cand, score, own, k)

@@ -60,3 +60,40 @@ def peer_pick(lat: FloatArray, chosen: int) -> int:
     if not low < float(lat[chosen]):
         return chosen
     return int(np.flatnonzero(lat == low)[0])
+
+
+class PeerMemo:
+    """:func:`all_peers`, memoised: the answer is kept while the models' arrays and the snapshot's KV
+    capacities and live parameters are the same read-only objects (replaced whole, never changed in
+    place, as :class:`~hetroute.policies.minmax_scalar.ListCache` relies on too) and the candidates are
+    the same backends. Holding the arrays keeps them alive, so identity cannot be reused. Inputs that can
+    still be written to are tested every time."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held: tuple[tuple[object, ...], IntArray, bool] | None = None
+
+    def __call__(self, models: BackendModels, snapshot: ClusterSnapshot, candidates: IntArray) -> bool:
+        arrays = (
+            models.params,
+            models.max_num_seqs,
+            models.static_capacity_tokens,
+            snapshot.kv_capacity_tokens,
+            snapshot.latency_params,
+        )
+        held = self._held
+        if (
+            held is not None
+            and all(a is b for a, b in zip(held[0], arrays, strict=True))
+            and (
+                (held[1] is candidates and not candidates.flags.writeable)
+                or np.array_equal(held[1], candidates)
+            )
+        ):
+            return held[2]
+        answer = all_peers(models, snapshot, candidates)
+        if all(a is None or not a.flags.writeable for a in arrays):
+            kept = candidates.copy() if candidates.flags.writeable else candidates
+            self._held = (arrays, kept, answer)
+        return answer

@@ -66,7 +66,7 @@ from hetroute.policies.minmax_scalar import (
     choose_scalar,
     output_bound,
 )
-from hetroute.policies.peers import all_peers, peer_pick
+from hetroute.policies.peers import PeerMemo, peer_pick
 from hetroute.types import BoolArray, ClusterSnapshot, FloatArray, IntArray, RequestFeatures, RoutingDecision
 
 KvSignal = Literal["ledger", "paper", "engine", "max"]
@@ -187,6 +187,7 @@ class MinMaxPolicy:
     ) -> None:
         self.name = name
         self.peer_latency = peer_latency
+        self.peers = PeerMemo()  # whether every candidate is a peer, for peer_latency
         self.prefix = prefix
         self.cache_weight = cache_weight
         self.session_slack = session_slack
@@ -339,7 +340,7 @@ class MinMaxPolicy:
                 tied = tied[waiting <= float(waiting.min())]
         k = int(tied[self._rng.randrange(tied.size)]) if tied.size > 1 else int(tied[0])
         peer_k = -1  # where peer_latency moved r, if it did (the reason then says so)
-        if self.peer_latency and lat is not None and all_peers(self.models, snapshot, candidates):
+        if self.peer_latency and lat is not None and self.peers(self.models, snapshot, candidates):
             minmax_k, k = k, peer_pick(lat, k)
             peer_k = k if k != minmax_k else -1
         k = self._keep_session(snapshot, candidates, score, own, k)

@@ -20,7 +20,7 @@ from hetroute.policies.backend_model import (
     BackendModels,
     describe_backend_models,
 )
-from hetroute.policies.peers import all_peers
+from hetroute.policies.peers import PeerMemo, all_peers
 from hetroute.policies.workload_minmax import MAX_EXPONENT, MinMaxPolicy
 from hetroute.routing.ledger import Ledger
 from hetroute.routing.router import Router
@@ -540,3 +540,28 @@ def test_peers_need_the_same_model_slots_and_a_known_equal_capacity() -> None:
     own = pooled.copy()
     own[1, 0] *= 2.0
     assert not all_peers(blind, reported._replace(latency_params=own), BOTH)
+
+
+def test_the_peer_test_is_kept_while_its_inputs_are_the_same_objects_and_redone_when_replaced() -> None:
+    unknown = (backend("a"), backend("b"))
+    models = BackendModels(unknown, None)
+    caps = np.array([100_000.0, 100_000.0])
+    caps.flags.writeable = False
+    pooled = np.tile(np.array(FAST.as_tuple()), (2, 1))
+    pooled.flags.writeable = False
+    own = pooled.copy()
+    own[1, 0] *= 2.0
+    own.flags.writeable = False
+    memo = PeerMemo()
+    s = snap(unknown)._replace(kv_capacity_tokens=caps, latency_params=pooled)
+    assert memo(models, s, BOTH) and memo(models, s, BOTH)
+    # a refit replaces the parameter array whole: the test is done again on the new one
+    assert not memo(models, s._replace(latency_params=own), BOTH)
+    assert memo(models, s, BOTH)
+    # other candidates (one backend is no fleet), and an array that can still change, are not kept
+    assert not memo(models, s, np.array([0], dtype=np.int64))
+    writable = pooled.copy()
+    s_w = s._replace(latency_params=writable)
+    assert memo(models, s_w, BOTH)
+    writable[1, 0] *= 2.0
+    assert not memo(models, s_w, BOTH)
