@@ -153,17 +153,13 @@ def planned_cells(args: argparse.Namespace) -> list[Cell]:
     return [(f, w, load) for f in args.fleets for w in workloads for load in args.loads]
 
 
-def stored_rates(path: Path) -> dict[Cell, float]:
-    """Each cell's arrival rate (requests/s) in an earlier results file (``--rates-from``)."""
-    rows = json.loads(path.read_text(encoding="utf-8"))["rows"]
-    return {(r["fleet"], r["workload"], float(r["load"])): float(r["rate"]) for r in rows}
-
-
 def pinned_rates(args: argparse.Namespace, cells: Sequence[Cell]) -> dict[Cell, float] | None:
-    """``--rates-from``: each planned cell's stored arrival rate, or None without the option."""
+    """``--rates-from``: each cell's arrival rate (requests/s) stored in that results file, or None
+    without the option; every planned cell must be there."""
     if args.rates_from is None:
         return None
-    pinned = stored_rates(args.rates_from)
+    rows = json.loads(args.rates_from.read_text(encoding="utf-8"))["rows"]
+    pinned = {(r["fleet"], r["workload"], float(r["load"])): float(r["rate"]) for r in rows}
     missing = [c for c in cells if c not in pinned]
     if missing:
         raise SystemExit(f"--rates-from {args.rates_from}: no rate stored for {missing}")
@@ -186,6 +182,26 @@ def kept_rows(args: argparse.Namespace, cells: Sequence[Cell]) -> list[dict[str,
     return rows
 
 
+def cell_rate(
+    cell: Cell,
+    pinned: dict[Cell, float] | None,
+    capacities: dict[str, float],
+    capacity_of: Callable[[str], float],
+    requests: int,
+) -> float:
+    """The cell's arrival rate (requests/s): stored (``--rates-from``), else its load × the fleet's
+    no-sharing capacity (``capacity_of(fleet)``, once per fleet into ``capacities``) / the workload's
+    mean prompt + output tokens (module docstring)."""
+    if pinned is not None:
+        return pinned[cell]
+    fleet_name, kind, load = cell
+    if fleet_name not in capacities:
+        capacities[fleet_name] = capacity_of(fleet_name)
+        print(f"{fleet_name}: no-sharing capacity {capacities[fleet_name]:,.0f} tokens/s", flush=True)
+    probe = workload_of(kind, requests, math.inf, 0, MAX_MODEL_LEN)
+    return load * capacities[fleet_name] / mean_tokens(probe)
+
+
 def sim_part(
     args: argparse.Namespace, on_row: Callable[[list[dict[str, Any]]], None]
 ) -> list[dict[str, Any]]:
@@ -201,19 +217,19 @@ def sim_part(
     capacities: dict[str, float] = {}
     fleets: dict[str, Any] = {}
     max_len = MAX_MODEL_LEN
+
+    def fleet_named(name: str) -> Any:
+        if name not in fleets:
+            fleets[name] = fleet_of(name, args.blind)
+        return fleets[name]
+
+    def capacity_of(name: str) -> float:
+        base = workload_of("no-sharing", args.requests, math.inf, 0, max_len)
+        return float(sim_run(fleet_named(name), base, "default-no-prefix", True)["throughput_tok_s"])
+
     for fleet_name, kind, load in cells:
-        if fleet_name not in fleets:
-            fleets[fleet_name] = fleet_of(fleet_name, args.blind)
-        fleet = fleets[fleet_name]
-        if pinned is not None:
-            rate = pinned[(fleet_name, kind, load)]
-        else:
-            if fleet_name not in capacities:
-                base = workload_of("no-sharing", args.requests, math.inf, 0, max_len)
-                capacities[fleet_name] = sim_run(fleet, base, "default-no-prefix", True)["throughput_tok_s"]
-                print(f"{fleet_name}: no-sharing capacity {capacities[fleet_name]:,.0f} tokens/s", flush=True)
-            probe = workload_of(kind, args.requests, math.inf, 0, max_len)
-            rate = load * capacities[fleet_name] / mean_tokens(probe)
+        fleet = fleet_named(fleet_name)
+        rate = cell_rate((fleet_name, kind, load), pinned, capacities, capacity_of, args.requests)
         for seed in args.seeds:
             wl = workload_of(kind, args.requests, rate, seed, max_len)
             for policy in args.policies:
@@ -319,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--policies",
         type=parse_policies,
         default=list(TABLE_POLICIES),
-        help=f"sim: the policies to run, separated by commas (default {','.join(TABLE_POLICIES)}; "
+        help=f"the policies to run, separated by commas (default {','.join(TABLE_POLICIES)}; "
         f"also: {', '.join(p for p in POLICIES if p not in TABLE_POLICIES)})",
     )
     p.add_argument(
@@ -340,8 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--with-rows",
         type=Path,
         default=None,
-        help="keep this results JSON's rows for the cells run and the seeds not run, so the "
-        "summary covers both (e.g. seeds 1-3 stored, 4-9 run now)",
+        help="keep this results JSON's rows for the cells run, but for the seeds and policies run now, "
+        "so the summary covers both (e.g. seeds 1-3 stored, 4-9 run now)",
     )
     p.add_argument(
         "--render",

@@ -175,14 +175,19 @@ def gateway_part(
     from prefix import (
         MAX_MODEL_LEN,
         POLICIES,
+        cell_rate,
         fleet_of,
         kept_rows,
-        mean_tokens,
         pinned_rates,
         planned_cells,
         sim_run,
         workload_of,
     )
+
+    def capacity_of(name: str) -> float:
+        """The simulated no-sharing capacity of the fleet, nothing known with ``--blind``."""
+        base = workload_of("no-sharing", 2000, math.inf, 0, MAX_MODEL_LEN)
+        return float(sim_run(fleet_of(name, args.blind), base, "default-no-prefix", True)["throughput_tok_s"])
 
     cells = planned_cells(args)
     pinned = pinned_rates(args, cells)
@@ -190,20 +195,7 @@ def gateway_part(
     capacities: dict[str, float] = {}
     for fleet_name, kind, load in cells:
         fleet = fleet_of(fleet_name, False)
-        if pinned is not None:
-            rate = pinned[(fleet_name, kind, load)]
-        else:
-            if fleet_name not in capacities:
-                base = workload_of("no-sharing", 2000, math.inf, 0, MAX_MODEL_LEN)
-                capacities[fleet_name] = sim_run(
-                    fleet_of(fleet_name, args.blind), base, "default-no-prefix", True
-                )["throughput_tok_s"]
-                print(
-                    f"{fleet_name}: simulated no-sharing capacity {capacities[fleet_name]:,.0f} tokens/s",
-                    flush=True,
-                )
-            probe = workload_of(kind, args.requests, math.inf, 0, MAX_MODEL_LEN)
-            rate = load * capacities[fleet_name] / mean_tokens(probe)
+        rate = cell_rate((fleet_name, kind, load), pinned, capacities, capacity_of, args.requests)
         for seed in args.seeds:
             wl = workload_of(kind, args.requests, rate, seed, MAX_MODEL_LEN)
             for policy in args.policies:

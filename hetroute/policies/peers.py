@@ -1,4 +1,5 @@
-"""Peer fleets and the min-max's ``peer_latency`` option (docs/prefix.md, "Peer latency").
+"""Peer fleets and the min-max's ``peer_latency`` option (docs/prefix.md, "``peer_latency``: equal backends
+decide by the request's own latency").
 
 Candidates are **peers** when the router has every reason to think they are the same engine on the same
 hardware:
