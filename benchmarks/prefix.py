@@ -53,9 +53,12 @@ POLICIES: dict[str, tuple[str, dict[str, object]]] = {
     "prefix_scorer": ("prefix_scorer", {}),
     "session_hash": ("session_hash", {}),
     "default-peer-latency": ("balanced_minmax", {"peer_latency": True}),
+    "default-no-peer-latency": ("balanced_minmax", {"peer_latency": False}),
 }
+"""``default-peer-latency`` is the default's settings since stop 40 (kept for the stop-39 tables that
+ran it as an option); ``default-no-peer-latency`` is the default as it was until then."""
 TABLE_POLICIES = ("default", "default-no-prefix", "cache_aware", "prefix_scorer", "session_hash")
-"""What a table runs unless ``--policies`` says otherwise (``default-peer-latency`` is opt-in)."""
+"""What a table runs unless ``--policies`` says otherwise (the two peer variants only when named)."""
 METRICS = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "engine_hit_rate", "router_hit_estimate")
 BASELINES = ("default-no-prefix", "cache_aware", "prefix_scorer", "session_hash")
 MAX_MODEL_LEN = 8192  # Llama-3-8B's context: every fleet here serves it

@@ -57,6 +57,13 @@ tokens save), the score takes ``max(D_s, L_s, lat)`` (never below the backend's 
 go to the smallest ``max(D_s, lat)``; the ledger is charged w_r^s itself.
 ``session_slack`` (default 0.1) keeps a session on its last backend while that is within 10 % of the
 choice.
+
+``peer_latency`` (default true since stop 40): where every candidate is a peer (the same engine on the
+same hardware as far as the router knows, :mod:`.peers`), r's own predicted latency ``lat_r^s`` picks
+the backend instead of the min-max, ties keeping the min-max's choice (docs/prefix.md, "``peer_latency``:
+equal backends decide by the request's own latency"). On four equal A100s it takes the p99 TTFT of
+Mooncake at 1.2 load from ×1.13 to ×0.87 of SGLang's cache-aware policy; ``false`` gives the min-max on
+such fleets too.
 """
 
 from __future__ import annotations
@@ -82,5 +89,6 @@ def from_config(params: Mapping[str, object], ctx: PolicyContext) -> MinMaxPolic
         prefix=True,
         cache_weight=CACHE_WEIGHT,
         session_slack=SESSION_SLACK,
+        peer_latency=True,
     )
     return build_minmax("balanced_minmax", params, ctx, defaults, overflow_only=True)

@@ -32,9 +32,9 @@ b from I + Õ as the paper; ``average``: from I + Õ/2, the mean footprint under
 inside the latency floor), ``explore_share`` / ``explore_min_samples`` /
 ``explore_max_output_tokens`` (default 0.02 / 3 / 256: the bounded exploration of backends the live
 learner has few observations of, see :meth:`MinMaxPolicy._explore`; inert without live learning),
-``peer_latency`` (default false: where every candidate is a peer, the same engine on the same hardware
-as far as the router knows, the smallest predicted latency decides instead of the min-max, see
-:mod:`.peers` and docs/prefix.md), ``seed``.
+``peer_latency`` (default false, true in ``balanced_minmax``: where every candidate is a peer, the
+same engine on the same hardware as far as the router knows, the smallest predicted latency decides
+instead of the min-max, see :mod:`.peers` and docs/prefix.md), ``seed``.
 
 With live learning the latency parameters come from the snapshot (``latency_params``), not from the
 static :class:`BackendModels` resolved at construction.

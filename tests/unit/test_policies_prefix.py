@@ -254,9 +254,11 @@ def test_the_saved_prefill_counts_cache_weight_times_where_the_min_max_is_indiff
     """``cache_weight`` F (default 3): between equal backends, the one holding r's prefix keeps r while its
     drain time exceeds the other's by less than F times the prefill the hit saves (once with F = 1); the
     min-max score still never falls below a backend's own drain time, and the ledger is charged r's true
-    cost."""
+    cost. (Equal backends are peers, where ``peer_latency``, on by default, would let r's own latency
+    decide: off here, as on any fleet of unequal backends.)"""
     twins = (backend("a", profile(FAST, 400_000)), backend("b", profile(FAST, 400_000)))
-    default, plain = policy("balanced_minmax", twins), policy("balanced_minmax", twins, cache_weight=1.0)
+    default = policy("balanced_minmax", twins, peer_latency=False)
+    plain = policy("balanced_minmax", twins, cache_weight=1.0, peer_latency=False)
     cached = with_cache(snap(twins), [0.0, 2000.0])
     w_hit = float(default.costs(prefixed(), cached, BOTH)[2][1])
     w_full = float(default.costs(prefixed(), with_cache(snap(twins), [0.0, 0.0]), BOTH)[2][1])

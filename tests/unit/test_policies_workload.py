@@ -495,13 +495,15 @@ def test_an_exploration_probe_is_bounded_by_the_clients_max_tokens(
 def test_peer_latency_lets_the_request_s_own_latency_decide_among_equal_backends() -> None:
     # Three equal backends. The first holds the makespan (drain 6 s against 4 s) but has no prompt
     # waiting; the others have 200k prompt tokens queued. The min-max keeps a long prompt off the
-    # makespan holder, so it queues; with peer_latency its own predicted latency decides.
+    # makespan holder, so it queues; with peer_latency (balanced_minmax's default) its own predicted
+    # latency decides.
     peers = tuple(backend(n, profile(FAST, 800_000)) for n in ("a", "b", "c"))
     all3 = np.array([0, 1, 2], dtype=np.int64)
     s = snap(peers, workload=[6.0, 4.0, 4.0], prefill_pending=[0.0, 200_000.0, 200_000.0])
     long_prompt = req(8000, 50)
-    plain = minmax("balanced_minmax", peers)
-    peer = minmax("balanced_minmax", peers, peer_latency=True)
+    plain = minmax("balanced_minmax", peers, peer_latency=False)
+    peer = minmax("balanced_minmax", peers)
+    assert peer.peer_latency and not minmax("workload_minmax", peers).peer_latency
     lat = peer.latency(long_prompt, s, all3)
     assert lat[0] < lat[1] == lat[2] < 6.0  # the floor binds nowhere: the drain time decides
     assert plain.choose(long_prompt, s, all3).index in (1, 2)
@@ -516,7 +518,7 @@ def test_peer_latency_lets_the_request_s_own_latency_decide_among_equal_backends
     # Not peers (one backend has another profile): the min-max decides as without the option.
     mixed = (*peers[:2], backend("c", profile(SLOW, 800_000)))
     s_mixed = snap(mixed, workload=[6.0, 4.0, 4.0], prefill_pending=[0.0, 200_000.0, 200_000.0])
-    unequal = minmax("balanced_minmax", mixed, peer_latency=True)
+    unequal = minmax("balanced_minmax", mixed)
     assert unequal.choose(long_prompt, s_mixed, all3).index == 1
 
 
