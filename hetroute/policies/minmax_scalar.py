@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hetroute.policies.backend_model import BackendModels
-from hetroute.policies.peers import PeerMemo
+from hetroute.policies.peers import PeerMemo, peer_latency_s
 from hetroute.types import ClusterSnapshot, IntArray, RequestFeatures, RoutingDecision
 
 SCALAR_MAX_BACKENDS = 12
@@ -225,6 +225,16 @@ def choose_scalar(
     k = tied[rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
     peer_k = -1  # where peer_latency moved r, if it did (the reason then says so)
     if policy.peer_latency and policy.latency_floor and policy.peers(policy.models, snap, candidates):
+        lat_list = peer_latency_s(
+            policy.models,
+            snap,
+            candidates,
+            features.input_tokens,
+            np.array(lat_list, dtype=np.float64),
+            None if cached is None else np.array(cached, dtype=np.float64),
+            policy.ttft_weight,
+            policy.cache_weight,
+        ).tolist()
         minmax_k, k = k, _peer_pick(lat_list, k)
         peer_k = k if k != minmax_k else -1
     k = _keep_session(policy, snap, cand, score, own, k)

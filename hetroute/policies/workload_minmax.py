@@ -66,7 +66,7 @@ from hetroute.policies.minmax_scalar import (
     choose_scalar,
     output_bound,
 )
-from hetroute.policies.peers import PeerMemo, peer_pick
+from hetroute.policies.peers import PeerMemo, peer_latency_s, peer_pick
 from hetroute.types import BoolArray, ClusterSnapshot, FloatArray, IntArray, RequestFeatures, RoutingDecision
 
 KvSignal = Literal["ledger", "paper", "engine", "max"]
@@ -341,6 +341,16 @@ class MinMaxPolicy:
         k = int(tied[self._rng.randrange(tied.size)]) if tied.size > 1 else int(tied[0])
         peer_k = -1  # where peer_latency moved r, if it did (the reason then says so)
         if self.peer_latency and lat is not None and self.peers(self.models, snapshot, candidates):
+            lat = peer_latency_s(
+                self.models,
+                snapshot,
+                candidates,
+                features.input_tokens,
+                lat,
+                cached,
+                self.ttft_weight,
+                self.cache_weight,
+            )
             minmax_k, k = k, peer_pick(lat, k)
             peer_k = k if k != minmax_k else -1
         k = self._keep_session(snapshot, candidates, score, own, k)

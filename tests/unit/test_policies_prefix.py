@@ -274,3 +274,23 @@ def test_the_saved_prefill_counts_cache_weight_times_where_the_min_max_is_indiff
     assert decision.index == 1 and math.isclose(decision.workload_cost, w_hit)
     assert decision.scores["minmax_load"] >= 10.0 + 2.5 * saved  # not below the home's own drain time
     assert default.choose(prefixed(), home_ahead_by(3.5 * saved), BOTH).index == 0
+
+
+def test_between_peers_a_hit_counts_cache_weight_times_against_the_prompts_waiting_ahead() -> None:
+    """``peer_latency`` (on by default): among peers the floor decides with r's own prefill counted
+    ``cache_weight`` (F = 3) times instead of κ (8), so a hit is not bought with a long wait. Backend a
+    holds 2,000 of r's 2,048 prompt tokens (saving 0.06 s of prefill) but has 39,000 more prompt tokens
+    (0.39 s) waiting than b, which holds nothing: 0.39 s of wait against (1 + F) × 0.06 s of prefill
+    sends r to b, against (1 + κ) × 0.06 s (F = κ) to a. (Under the balance guard on waiting prompts,
+    so the credit stands.)"""
+    twins = (backend("a", profile(FAST, 400_000)), backend("b", profile(FAST, 400_000)))
+    seen = with_cache(snap(twins, prefill_pending=[79_000.0, 40_000.0]), [2000.0, 0.0])
+    saved = (FAST.p1 + FAST.p3) * 2000
+    assert 4 * saved < FAST.p1 * 39_000 < 9 * saved
+    default = policy("balanced_minmax", twins)
+    decision = default.choose(prefixed(), seen, BOTH)
+    assert decision.index == 1 and decision.reason.startswith("peer latency ")
+    assert default.choose_vectorised(prefixed(), seen, BOTH).reason == decision.reason
+    assert policy("balanced_minmax", twins, cache_weight=8.0).choose(prefixed(), seen, BOTH).index == 0
+    # the same fleet without the cached prefix: nothing to trade, the less busy backend takes r
+    assert default.choose(prefixed(), with_cache(seen, [0.0, 0.0]), BOTH).index == 1
