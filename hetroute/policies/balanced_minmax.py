@@ -60,10 +60,10 @@ choice.
 
 ``peer_latency`` (default true since stop 40): where every candidate is a peer (the same engine on the
 same hardware as far as the router knows, :mod:`.peers`), r's own predicted latency ``lat_r^s`` picks
-the backend instead of the min-max, ties keeping the min-max's choice (docs/prefix.md, "``peer_latency``:
-equal backends decide by the request's own latency"). On four equal A100s it takes the p99 TTFT of
-Mooncake at 1.2 load from ×1.13 to ×0.87 of SGLang's cache-aware policy; ``false`` gives the min-max on
-such fleets too.
+the backend instead of the min-max, with r's own prefill counted ``cache_weight`` times instead of κ
+(:func:`~hetroute.policies.peers.peer_latency_s`), ties keeping the min-max's choice (docs/prefix.md,
+"``peer_latency``: equal backends decide by the request's own latency"). ``false`` gives the min-max
+on such fleets too.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Peer fleets and the min-max's ``peer_latency`` option (docs/prefix.md, "``peer_latency``: equal backends
-decide by the request's own latency").
+"""Peer fleets and the min-max's ``peer_latency`` option, on by default in ``balanced_minmax``
+(docs/prefix.md, "``peer_latency``: equal backends decide by the request's own latency").
 
 Candidates are **peers** when the router has every reason to think they are the same engine on the same
 hardware:
@@ -16,10 +16,17 @@ hardware:
 On a fleet of peers the min-max's drain-time balance has nothing to trade between unequal machines;
 :func:`peer_pick` lets r's own predicted latency decide there instead (the floor ``lat_r^s``: the prompts
 waiting ahead of r, r's κ-weighted prefill and its decode next to the backend's batch, so it follows
-the backend's load). Why: under the min-max a backend that holds the makespan takes only requests whose
+the backend's load; between peers r's own prefill counts ``cache_weight`` times instead of κ,
+:func:`peer_latency_s`). Why: under the min-max a backend that holds the makespan takes only requests whose
 floor exceeds it everywhere else (long outputs), which keeps it on top, while long prompts queue on the
 others; on four equal A100s at 1.2 load that lengthened the p99 TTFT by 12-14 % against SGLang's
 cache-aware policy (docs/prefix.md).
+
+A peer that slows down (throttled, a noisy neighbour) stays a peer: peers are judged by what the router
+was told, and equal backends' own live fits differ too much (up to 2× on the same requests) to tell a
+2× slowdown from noise. The floor sees its queue and batch, not its speed, so it takes about a fifth
+of the requests instead of the min-max's seventh: on four A100s with one slowed 2× (Mooncake at 1.2),
+throughput −3 % (median of three seeds) and p99 TTFT about half the min-max's (docs/prefix.md).
 """
 
 from __future__ import annotations
