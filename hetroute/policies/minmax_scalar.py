@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hetroute.policies.backend_model import BackendModels
-from hetroute.policies.peers import PeerMemo, peer_latency_s
+from hetroute.policies.peers import PeerMemo
 from hetroute.types import ClusterSnapshot, IntArray, RequestFeatures, RoutingDecision
 
 SCALAR_MAX_BACKENDS = 12
@@ -187,7 +187,9 @@ def choose_scalar(
     loads: list[float] = snap.workload.tolist()
     cached = _cached(policy, snap, cand, loads)
     n_req = snap.requests_in_flight.tolist()
-    t_list, u_list, w_list, lat_list, saved_list = _costs(policy, features, snap, cand, cached, n_req)
+    t_list, u_list, w_list, lat_list, saved_list, peer_list = _costs(
+        policy, features, snap, cand, cached, n_req
+    )
     own = [loads[c] + w for c, w in zip(cand, w_list, strict=True)]
     rank = own
     # max(a, b) of two floats as the builtin's own comparison, b if b > a else a (as in _costs)
@@ -225,16 +227,7 @@ def choose_scalar(
     k = tied[rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
     peer_k = -1  # where peer_latency moved r, if it did (the reason then says so)
     if policy.peer_latency and policy.latency_floor and policy.peers(policy.models, snap, candidates):
-        lat_list = peer_latency_s(
-            policy.models,
-            snap,
-            candidates,
-            features.input_tokens,
-            np.array(lat_list, dtype=np.float64),
-            None if cached is None else np.array(cached, dtype=np.float64),
-            policy.ttft_weight,
-            policy.cache_weight,
-        ).tolist()
+        lat_list = peer_list
         minmax_k, k = k, _peer_pick(lat_list, k)
         peer_k = k if k != minmax_k else -1
     k = _keep_session(policy, snap, cand, score, own, k)
@@ -383,10 +376,12 @@ def _costs(
     cand: list[int],
     cached: list[float] | None,
     n_req: list[int],
-) -> tuple[list[float], list[float], list[float], list[float], list[float] | None]:
+) -> tuple[list[float], list[float], list[float], list[float], list[float] | None, list[float]]:
     """Per candidate: T_r^s, kvusage, the cost w = T·e^(θ·kvusage), (with the latency floor) the
-    request's own predicted latency and (with a ``cache_weight`` ≠ 1 and some cache credit) the part of
-    w the cached tokens save, in the array path's operation order (Eq. 5-6, method.md §5)."""
+    request's own predicted latency, (with a ``cache_weight`` ≠ 1 and some cache credit) the part of
+    w the cached tokens save, and (with ``peer_latency`` and the floor) the latency that decides among
+    peers (:func:`~hetroute.policies.peers.peer_latency_s`), in the array path's operation order
+    (Eq. 5-6, method.md §5)."""
     models, lists = policy.models, policy.lists
     caps_snap: list[float] = lists.get("caps", snap.kv_capacity_tokens)
     fallback: list[float] = lists.get("fallback", models.fallback_capacity_tokens)
@@ -419,6 +414,9 @@ def _costs(
     u_list: list[float] = []
     x_list: list[float] = []
     lat_list: list[float] = []
+    peer_list: list[float] = []
+    peer_weight = policy.ttft_weight - policy.cache_weight  # κ − F (peers.peer_latency_s)
+    peers_priced = policy.peer_latency and latency_floor and peer_weight != 0.0
     for k, c in enumerate(cand):
         row = rows[k]
         seq_c = seqs[c]
@@ -455,6 +453,8 @@ def _costs(
             if policy.ttft_weight > 0.0:
                 lat = lat + policy.ttft_weight * (0.0 if prefill < 0.0 else prefill)
             lat_list.append(lat)
+            if peers_priced:
+                peer_list.append(lat - peer_weight * (0.0 if prefill < 0.0 else prefill))
     saved_list: list[float] | None = saved_t if weighted else None
     if any(x != 0.0 for x in x_list):  # exp(0) is exactly 1; otherwise numpy's exp, as the arrays do
         factors = np.exp(np.array(x_list)).tolist()
@@ -463,7 +463,7 @@ def _costs(
             saved_list = [t * e for t, e in zip(saved_list, factors, strict=True)]
     else:
         w_list = t_list
-    return t_list, u_list, w_list, lat_list, saved_list
+    return t_list, u_list, w_list, lat_list, saved_list, (peer_list if peers_priced else lat_list)
 
 
 def _keep_session(

@@ -62,18 +62,12 @@ def all_peers(models: BackendModels, snapshot: ClusterSnapshot, candidates: IntA
 
 
 def peer_latency_s(
-    models: BackendModels,
-    snapshot: ClusterSnapshot,
-    candidates: IntArray,
-    input_tokens: float,
-    lat: FloatArray,
-    cached: FloatArray | None,
-    ttft_weight: float,
-    cache_weight: float,
+    lat: FloatArray, own_prefill_s: FloatArray | None, ttft_weight: float, cache_weight: float
 ) -> FloatArray:
     """What decides among peers: the floor ``lat`` (κ = ``ttft_weight`` times r's own uncached prefill)
-    with that prefill counted F = ``cache_weight`` times instead,
-    ``lat_r^s − (κ − F) · T_prefill(1, I_r − cached_s)``.
+    with that prefill, ``own_prefill_s`` = T_prefill(1, I_r − cached_s) per candidate, counted
+    F = ``cache_weight`` times instead: ``lat_r^s − (κ − F) · T_prefill(1, I_r − cached_s)``
+    (``lat`` itself where κ = F; ``own_prefill_s`` is needed only where they differ).
 
     Why: between peers r's own prefill differs only by what its cached prefix saves, so κ (8 in
     ``balanced_minmax``, chosen to push misses onto faster machines) would count a hit eight times
@@ -82,18 +76,17 @@ def peer_latency_s(
     lengthened the p99 TTFT to ×1.19 of the default without the prefix term (0.755 against 0.633 s)."""
     if ttft_weight == cache_weight:
         return lat
-    prefill = models.prefill_s(candidates, input_tokens, snapshot.latency_params, cached)
-    out: FloatArray = lat - (ttft_weight - cache_weight) * prefill
+    if own_prefill_s is None:
+        raise ValueError("peer_latency_s: own_prefill_s is needed where ttft_weight != cache_weight")
+    out: FloatArray = lat - (ttft_weight - cache_weight) * own_prefill_s
     return out
 
 
 def peer_pick(lat: FloatArray, chosen: int) -> int:
     """The candidate with the smallest predicted latency ``lat`` (the first such in candidate order), or
     ``chosen`` unless one is strictly below its latency. Used only where :func:`all_peers` holds."""
-    low = float(lat.min())
-    if not low < float(lat[chosen]):
-        return chosen
-    return int(np.flatnonzero(lat == low)[0])
+    k = int(np.argmin(lat))  # the first smallest
+    return k if float(lat[k]) < float(lat[chosen]) else chosen
 
 
 class PeerMemo:

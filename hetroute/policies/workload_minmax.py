@@ -258,6 +258,17 @@ class MinMaxPolicy:
         cached: FloatArray | None | _Unset = UNSET,
     ) -> FloatArray:
         """Predicted latency of r if it starts now on each candidate, next to its in-flight requests."""
+        return self._floor(features, snapshot, candidates, cached)[0]
+
+    def _floor(
+        self,
+        features: RequestFeatures,
+        snapshot: ClusterSnapshot,
+        candidates: IntArray,
+        cached: FloatArray | None | _Unset = UNSET,
+    ) -> tuple[FloatArray, FloatArray | None]:
+        """:meth:`latency` and r's own prefill on each candidate, T_prefill(1, I − cached), where the κ
+        term computed it (else None), for :func:`~.peers.peer_latency_s`."""
         n = snapshot.requests_in_flight[candidates].astype(np.float64)
         context = (
             snapshot.input_tokens_in_flight[candidates] + snapshot.generated_tokens_in_flight[candidates]
@@ -279,13 +290,13 @@ class MinMaxPolicy:
             out = out + self.models.prefill_queue_s(
                 candidates, snapshot.prefill_pending_tokens[candidates], params
             )
+        own_prefill: FloatArray | None = None
         if self.ttft_weight > 0.0:
             # κ weights r's own prefill on each backend: the uncached part of its prompt, its TTFT on an
             # idle backend (docs/prefix.md, "The cost model").
-            out = out + self.ttft_weight * self.models.prefill_s(
-                candidates, features.input_tokens, params, cached
-            )
-        return out
+            own_prefill = self.models.prefill_s(candidates, features.input_tokens, params, cached)
+            out = out + self.ttft_weight * own_prefill
+        return out, own_prefill
 
     def choose(
         self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray
@@ -319,8 +330,9 @@ class MinMaxPolicy:
             rank = own - (self.cache_weight - 1.0) * np.maximum(w_saved, 0.0)
             own = np.maximum(rank, loads[candidates])
         lat: FloatArray | None = None
+        own_prefill: FloatArray | None = None
         if self.latency_floor:
-            lat = self.latency(features, snapshot, candidates, cached)
+            lat, own_prefill = self._floor(features, snapshot, candidates, cached)
             own = np.maximum(own, lat)
             rank = own if w_saved is None else np.maximum(rank, lat)
         if loads.size >= 2:
@@ -341,16 +353,11 @@ class MinMaxPolicy:
         k = int(tied[self._rng.randrange(tied.size)]) if tied.size > 1 else int(tied[0])
         peer_k = -1  # where peer_latency moved r, if it did (the reason then says so)
         if self.peer_latency and lat is not None and self.peers(self.models, snapshot, candidates):
-            lat = peer_latency_s(
-                self.models,
-                snapshot,
-                candidates,
-                features.input_tokens,
-                lat,
-                cached,
-                self.ttft_weight,
-                self.cache_weight,
-            )
+            if own_prefill is None and self.ttft_weight != self.cache_weight:
+                own_prefill = self.models.prefill_s(
+                    candidates, features.input_tokens, snapshot.latency_params, cached
+                )
+            lat = peer_latency_s(lat, own_prefill, self.ttft_weight, self.cache_weight)
             minmax_k, k = k, peer_pick(lat, k)
             peer_k = k if k != minmax_k else -1
         k = self._keep_session(snapshot, candidates, score, own, k)

@@ -292,5 +292,12 @@ def test_between_peers_a_hit_counts_cache_weight_times_against_the_prompts_waiti
     assert decision.index == 1 and decision.reason.startswith("peer latency ")
     assert default.choose_vectorised(prefixed(), seen, BOTH).reason == decision.reason
     assert policy("balanced_minmax", twins, cache_weight=8.0).choose(prefixed(), seen, BOTH).index == 0
+    # κ = 0 (no κ term in the floor): among peers r's prefill still counts F times, in both paths
+    plain_floor = policy("balanced_minmax", twins, ttft_weight=0.0)
+    assert plain_floor.choose(prefixed(), seen, BOTH).index == 1
+    assert (
+        plain_floor.choose_vectorised(prefixed(), seen, BOTH).reason
+        == plain_floor.choose(prefixed(), seen, BOTH).reason
+    )
     # the same fleet without the cached prefix: nothing to trade, the less busy backend takes r
     assert default.choose(prefixed(), with_cache(seen, [0.0, 0.0]), BOTH).index == 1
