@@ -23,7 +23,7 @@ others; on four equal A100s at 1.2 load that lengthened the p99 TTFT by 12-14 % 
 cache-aware policy (docs/prefix.md).
 
 A peer that slows down (throttled, a noisy neighbour) stays a peer: peers are judged by what the router
-was told, and equal backends' own live fits differ too much (up to 2× on the same requests) to tell a
+was told, and equal backends' own live fits differ too much (0.45-2.6× on the same requests) to tell a
 2× slowdown from noise. The floor sees its queue and batch, not its speed, so it takes about a fifth
 of the requests instead of the min-max's seventh: on four A100s with one slowed 2× (Mooncake at 1.2),
 throughput −3 % (median of three seeds) and p99 TTFT about half the min-max's (docs/prefix.md).
