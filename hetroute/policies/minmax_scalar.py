@@ -187,8 +187,11 @@ def choose_scalar(
     loads: list[float] = snap.workload.tolist()
     cached = _cached(policy, snap, cand, loads)
     n_req = snap.requests_in_flight.tolist()
+    # peer_latency: whether every candidate is a peer (memoised), asked first so that only a fleet of
+    # peers has its peer latencies priced
+    peered = policy.peer_latency and policy.latency_floor and policy.peers(policy.models, snap, candidates)
     t_list, u_list, w_list, lat_list, saved_list, peer_list = _costs(
-        policy, features, snap, cand, cached, n_req
+        policy, features, snap, cand, cached, n_req, peered
     )
     own = [loads[c] + w for c, w in zip(cand, w_list, strict=True)]
     rank = own
@@ -226,7 +229,7 @@ def choose_scalar(
             tied = [k for k in tied if pending[cand[k]] <= least]
     k = tied[rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
     peer_k = -1  # where peer_latency moved r, if it did (the reason then says so)
-    if policy.peer_latency and policy.latency_floor and policy.peers(policy.models, snap, candidates):
+    if peered:
         lat_list = peer_list
         minmax_k, k = k, _peer_pick(lat_list, k)
         peer_k = k if k != minmax_k else -1
@@ -376,11 +379,12 @@ def _costs(
     cand: list[int],
     cached: list[float] | None,
     n_req: list[int],
+    peered: bool = False,
 ) -> tuple[list[float], list[float], list[float], list[float], list[float] | None, list[float]]:
     """Per candidate: T_r^s, kvusage, the cost w = T·e^(θ·kvusage), (with the latency floor) the
     request's own predicted latency, (with a ``cache_weight`` ≠ 1 and some cache credit) the part of
-    w the cached tokens save, and (with ``peer_latency`` and the floor) the latency that decides among
-    peers (:func:`~hetroute.policies.peers.peer_latency_s`), in the array path's operation order
+    w the cached tokens save, and (``peered``: every candidate a peer, with the floor) the latency that
+    decides among peers (:func:`~hetroute.policies.peers.peer_latency_s`), in the array path's operation order
     (Eq. 5-6, method.md §5)."""
     models, lists = policy.models, policy.lists
     caps_snap: list[float] = lists.get("caps", snap.kv_capacity_tokens)
@@ -416,7 +420,7 @@ def _costs(
     lat_list: list[float] = []
     peer_list: list[float] = []
     peer_weight = policy.ttft_weight - policy.cache_weight  # κ − F (peers.peer_latency_s)
-    peers_priced = policy.peer_latency and latency_floor and peer_weight != 0.0
+    peers_priced = peered and latency_floor and peer_weight != 0.0
     for k, c in enumerate(cand):
         row = rows[k]
         seq_c = seqs[c]
