@@ -60,10 +60,13 @@ choice.
 
 ``peer_latency`` (default true since stop 40): where every candidate is a peer (the same engine on the
 same hardware as far as the router knows, :mod:`.peers`), r's own predicted latency ``lat_r^s`` picks
-the backend instead of the min-max, with r's own prefill counted ``cache_weight`` times instead of κ
+the backend instead of the min-max, with r's own prefill counted ``peer_prefill_weight`` times (F_p,
+default 3, the cache weight's value) instead of κ and the wait behind the prompts already queued
+counted 1 + ``peer_queue_weight`` times (X, default 0)
 (:func:`~hetroute.policies.peers.peer_latency_s`), ties keeping the min-max's choice (docs/prefix.md,
 "``peer_latency``: equal backends decide by the request's own latency"). ``false`` gives the min-max
-on such fleets too.
+on such fleets too. F_p = 6 with X = 1.5 met every homogeneous bar of the prefix benchmark at stop 41
+(docs/prefix.md, "Stop 41"); it is an option until its results are run on every table.
 """
 
 from __future__ import annotations
@@ -90,5 +93,6 @@ def from_config(params: Mapping[str, object], ctx: PolicyContext) -> MinMaxPolic
         cache_weight=CACHE_WEIGHT,
         session_slack=SESSION_SLACK,
         peer_latency=True,
+        peer_prefill_weight=CACHE_WEIGHT,
     )
     return build_minmax("balanced_minmax", params, ctx, defaults, overflow_only=True)

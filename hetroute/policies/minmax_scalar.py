@@ -109,6 +109,10 @@ class MinMaxSettings(Protocol):
     @property
     def peer_latency(self) -> bool: ...
     @property
+    def peer_prefill_weight(self) -> float: ...
+    @property
+    def peer_queue_weight(self) -> float: ...
+    @property
     def peers(self) -> PeerMemo: ...
 
 
@@ -401,7 +405,12 @@ def _costs(
     else:
         pred = snap.predicted_output_tokens_in_flight.tolist()
         kv = [in_fl[c] + pred[c] for c in cand]
-    pending = snap.prefill_pending_tokens.tolist() if policy.prefill_queue else None
+    peer_weight = policy.ttft_weight - policy.peer_prefill_weight  # κ − F_p (peers.peer_latency_s)
+    queue_weight = policy.peer_queue_weight  # X
+    peers_priced = peered and policy.latency_floor and (peer_weight != 0.0 or queue_weight != 0.0)
+    prefill_queue = policy.prefill_queue
+    wanted = prefill_queue or (peers_priced and queue_weight != 0.0)
+    pending = snap.prefill_pending_tokens.tolist() if wanted else None
     input_tokens, output_tokens = features.input_tokens, features.predicted_output_tokens
     request = _Request(features)
     ia = request.ia
@@ -419,8 +428,6 @@ def _costs(
     x_list: list[float] = []
     lat_list: list[float] = []
     peer_list: list[float] = []
-    peer_weight = policy.ttft_weight - policy.cache_weight  # κ − F (peers.peer_latency_s)
-    peers_priced = peered and latency_floor and peer_weight != 0.0
     for k, c in enumerate(cand):
         row = rows[k]
         seq_c = seqs[c]
@@ -451,14 +458,18 @@ def _costs(
             step = p5 * bl * kv_len + p6 * bl + p7 * kv_len + p8
             lat = prefill + ol * step
             lat = 0.0 if lat < 0.0 else lat
+            queue = 0.0
             if pending is not None:
                 waiting = pending[c]
-                lat = lat + (0.0 if p1 < 0.0 else p1) * (0.0 if waiting < 0.0 else waiting)
+                queue = (0.0 if p1 < 0.0 else p1) * (0.0 if waiting < 0.0 else waiting)
+                if prefill_queue:
+                    lat = lat + queue
             if policy.ttft_weight > 0.0:
                 lat = lat + policy.ttft_weight * (0.0 if prefill < 0.0 else prefill)
             lat_list.append(lat)
             if peers_priced:
-                peer_list.append(lat - peer_weight * (0.0 if prefill < 0.0 else prefill))
+                peer = lat - peer_weight * (0.0 if prefill < 0.0 else prefill) if peer_weight != 0.0 else lat
+                peer_list.append(peer + queue_weight * queue if queue_weight != 0.0 else peer)
     saved_list: list[float] | None = saved_t if weighted else None
     if any(x != 0.0 for x in x_list):  # exp(0) is exactly 1; otherwise numpy's exp, as the arrays do
         factors = np.exp(np.array(x_list)).tolist()

@@ -62,23 +62,39 @@ def all_peers(models: BackendModels, snapshot: ClusterSnapshot, candidates: IntA
 
 
 def peer_latency_s(
-    lat: FloatArray, own_prefill_s: FloatArray | None, ttft_weight: float, cache_weight: float
+    lat: FloatArray,
+    own_prefill_s: FloatArray | None,
+    ttft_weight: float,
+    prefill_weight: float,
+    queue_s: FloatArray | None = None,
+    queue_weight: float = 0.0,
 ) -> FloatArray:
-    """What decides among peers: the floor ``lat`` (κ = ``ttft_weight`` times r's own uncached prefill)
-    with that prefill, ``own_prefill_s`` = T_prefill(1, I_r − cached_s) per candidate, counted
-    F = ``cache_weight`` times instead: ``lat_r^s − (κ − F) · T_prefill(1, I_r − cached_s)``
-    (``lat`` itself where κ = F; ``own_prefill_s`` is needed only where they differ).
+    """What decides among peers: the floor ``lat`` (κ = ``ttft_weight`` times r's own uncached prefill,
+    once the prompts waiting ahead, ``queue_s`` = p1 · P_s) with that prefill, ``own_prefill_s`` =
+    T_prefill(1, I_r − cached_s) per candidate, counted F_p = ``prefill_weight`` times instead and the
+    wait counted 1 + X (X = ``queue_weight``) times:
 
-    Why: between peers r's own prefill differs only by what its cached prefix saves, so κ (8 in
+        lat_peer_r^s = lat_r^s − (κ − F_p) · T_prefill(1, I_r − cached_s) + X · p1 · P_s
+
+    (``lat`` itself where κ = F_p and X = 0; ``own_prefill_s`` is needed only where κ ≠ F_p, ``queue_s``
+    only where X ≠ 0).
+
+    Why F_p: between peers r's own prefill differs only by what its cached prefix saves, so κ (8 in
     ``balanced_minmax``, chosen to push misses onto faster machines) would count a hit eight times
-    against the prompts waiting ahead of it; F counts the saving as the min-max's tie-break does where
-    it is indifferent (docs/prefix.md). On four equal A100s with RAG documents at 0.7 load that
-    lengthened the p99 TTFT to ×1.19 of the default without the prefix term (0.755 against 0.633 s)."""
-    if ttft_weight == cache_weight:
-        return lat
-    if own_prefill_s is None:
-        raise ValueError("peer_latency_s: own_prefill_s is needed where ttft_weight != cache_weight")
-    out: FloatArray = lat - (ttft_weight - cache_weight) * own_prefill_s
+    against the prompts waiting ahead of it. On four equal A100s with RAG documents at 0.7 load that
+    lengthened the p99 TTFT to ×1.19 of the default without the prefix term (0.755 against 0.633 s);
+    ``balanced_minmax`` counts it F = ``cache_weight`` (3) times by default. X (default 0) weighs the
+    wait behind the prompts queued at a holder against the saving; the pair F_p = 6, X = 1.5 is
+    measured in docs/prefix.md ("Stop 41")."""
+    out = lat
+    if ttft_weight != prefill_weight:
+        if own_prefill_s is None:
+            raise ValueError("peer_latency_s: own_prefill_s is needed where ttft_weight != prefill_weight")
+        out = out - (ttft_weight - prefill_weight) * own_prefill_s
+    if queue_weight != 0.0:
+        if queue_s is None:
+            raise ValueError("peer_latency_s: queue_s is needed where queue_weight != 0")
+        out = out + queue_weight * queue_s
     return out
 
 

@@ -100,6 +100,8 @@ class MinMaxParams:
     cache_weight: Annotated[float, Range(minimum=1, maximum=100)] = 1.0
     session_slack: Annotated[float, Range(minimum=0, maximum=10)] = 0.0
     peer_latency: bool = False
+    peer_prefill_weight: Annotated[float, Range(minimum=0, maximum=1000)] = 1.0
+    peer_queue_weight: Annotated[float, Range(minimum=0, maximum=1000)] = 0.0
     seed: int | None = None
 
 
@@ -111,6 +113,8 @@ TIME_ONLY_PARAMS = (
     "prefix",
     "cache_weight",
     "peer_latency",
+    "peer_prefill_weight",
+    "peer_queue_weight",
 )
 
 
@@ -184,9 +188,13 @@ class MinMaxPolicy:
         cache_weight: float = 1.0,
         session_slack: float = 0.0,
         peer_latency: bool = False,
+        peer_prefill_weight: float = 1.0,
+        peer_queue_weight: float = 0.0,
     ) -> None:
         self.name = name
         self.peer_latency = peer_latency
+        self.peer_prefill_weight = peer_prefill_weight
+        self.peer_queue_weight = peer_queue_weight
         self.peers = PeerMemo()  # whether every candidate is a peer, for peer_latency
         self.prefix = prefix
         self.cache_weight = cache_weight
@@ -266,9 +274,10 @@ class MinMaxPolicy:
         snapshot: ClusterSnapshot,
         candidates: IntArray,
         cached: FloatArray | None | _Unset = UNSET,
-    ) -> tuple[FloatArray, FloatArray | None]:
-        """:meth:`latency` and r's own prefill on each candidate, T_prefill(1, I − cached), where the κ
-        term computed it (else None), for :func:`~.peers.peer_latency_s`."""
+    ) -> tuple[FloatArray, FloatArray | None, FloatArray | None]:
+        """:meth:`latency`, r's own prefill on each candidate, T_prefill(1, I − cached), where the κ
+        term computed it (else None), and the wait behind the prompts already queued, p1 · P_s, where
+        ``prefill_queue`` computed it (else None), for :func:`~.peers.peer_latency_s`."""
         n = snapshot.requests_in_flight[candidates].astype(np.float64)
         context = (
             snapshot.input_tokens_in_flight[candidates] + snapshot.generated_tokens_in_flight[candidates]
@@ -286,17 +295,18 @@ class MinMaxPolicy:
             params,
             cached,
         )
+        queue: FloatArray | None = None
         if self.prefill_queue:
-            out = out + self.models.prefill_queue_s(
-                candidates, snapshot.prefill_pending_tokens[candidates], params
-            )
+            pending = snapshot.prefill_pending_tokens[candidates]
+            queue = self.models.prefill_queue_s(candidates, pending, params)
+            out = out + queue
         own_prefill: FloatArray | None = None
         if self.ttft_weight > 0.0:
             # κ weights r's own prefill on each backend: the uncached part of its prompt, its TTFT on an
             # idle backend (docs/prefix.md, "The cost model").
             own_prefill = self.models.prefill_s(candidates, features.input_tokens, params, cached)
             out = out + self.ttft_weight * own_prefill
-        return out, own_prefill
+        return out, own_prefill, queue
 
     def choose(
         self, features: RequestFeatures, snapshot: ClusterSnapshot, candidates: IntArray
@@ -331,8 +341,9 @@ class MinMaxPolicy:
             own = np.maximum(rank, loads[candidates])
         lat: FloatArray | None = None
         own_prefill: FloatArray | None = None
+        queue: FloatArray | None = None
         if self.latency_floor:
-            lat, own_prefill = self._floor(features, snapshot, candidates, cached)
+            lat, own_prefill, queue = self._floor(features, snapshot, candidates, cached)
             own = np.maximum(own, lat)
             rank = own if w_saved is None else np.maximum(rank, lat)
         if loads.size >= 2:
@@ -353,11 +364,17 @@ class MinMaxPolicy:
         k = int(tied[self._rng.randrange(tied.size)]) if tied.size > 1 else int(tied[0])
         peer_k = -1  # where peer_latency moved r, if it did (the reason then says so)
         if self.peer_latency and lat is not None and self.peers(self.models, snapshot, candidates):
-            if own_prefill is None and self.ttft_weight != self.cache_weight:
+            if own_prefill is None and self.ttft_weight != self.peer_prefill_weight:
                 own_prefill = self.models.prefill_s(
                     candidates, features.input_tokens, snapshot.latency_params, cached
                 )
-            lat = peer_latency_s(lat, own_prefill, self.ttft_weight, self.cache_weight)
+            if queue is None and self.peer_queue_weight != 0.0:  # no queue term in the floor itself
+                queue = self.models.prefill_queue_s(
+                    candidates, snapshot.prefill_pending_tokens[candidates], snapshot.latency_params
+                )
+            lat = peer_latency_s(
+                lat, own_prefill, self.ttft_weight, self.peer_prefill_weight, queue, self.peer_queue_weight
+            )
             minmax_k, k = k, peer_pick(lat, k)
             peer_k = k if k != minmax_k else -1
         k = self._keep_session(snapshot, candidates, score, own, k)
@@ -522,6 +539,8 @@ def build_minmax(
         cache_weight=p.cache_weight,
         session_slack=p.session_slack,
         peer_latency=p.peer_latency,
+        peer_prefill_weight=p.peer_prefill_weight,
+        peer_queue_weight=p.peer_queue_weight,
     )
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from hetroute.clock import ManualClock
+from hetroute.errors import ConfigError
 from hetroute.policies import PolicyContext, build_policy
 from hetroute.policies.workload_minmax import MinMaxPolicy
 from hetroute.prefix.hashing import ROUTER_CHUNK_CHARS, text_chunk_hashes
@@ -278,11 +280,11 @@ def test_the_saved_prefill_counts_cache_weight_times_where_the_min_max_is_indiff
 
 def test_between_peers_a_hit_counts_cache_weight_times_against_the_prompts_waiting_ahead() -> None:
     """``peer_latency`` (on by default): among peers the floor decides with r's own prefill counted
-    ``cache_weight`` (F = 3) times instead of κ (8), so a hit is not bought with a long wait. Backend a
-    holds 2,000 of r's 2,048 prompt tokens (saving 0.06 s of prefill) but has 39,000 more prompt tokens
-    (0.39 s) waiting than b, which holds nothing: 0.39 s of wait against (1 + F) × 0.06 s of prefill
-    sends r to b, against (1 + κ) × 0.06 s (F = κ) to a. (Under the balance guard on waiting prompts,
-    so the credit stands.)"""
+    ``peer_prefill_weight`` (F_p = 3, the cache weight's value) times instead of κ (8), so a hit is
+    not bought with a long wait. Backend a holds 2,000 of r's 2,048 prompt tokens (saving 0.06 s of
+    prefill) but has 39,000 more prompt tokens (0.39 s) waiting than b, which holds nothing: 0.39 s of
+    wait against (1 + F_p) × 0.06 s of prefill sends r to b, against (1 + κ) × 0.06 s (F_p = κ) to a.
+    (Under the balance guard on waiting prompts, so the credit stands.)"""
     twins = (backend("a", profile(FAST, 400_000)), backend("b", profile(FAST, 400_000)))
     seen = with_cache(snap(twins, prefill_pending=[79_000.0, 40_000.0]), [2000.0, 0.0])
     saved = (FAST.p1 + FAST.p3) * 2000
@@ -291,7 +293,7 @@ def test_between_peers_a_hit_counts_cache_weight_times_against_the_prompts_waiti
     decision = default.choose(prefixed(), seen, BOTH)
     assert decision.index == 1 and decision.reason.startswith("peer latency ")
     assert default.choose_vectorised(prefixed(), seen, BOTH).reason == decision.reason
-    assert policy("balanced_minmax", twins, cache_weight=8.0).choose(prefixed(), seen, BOTH).index == 0
+    assert policy("balanced_minmax", twins, peer_prefill_weight=8.0).choose(prefixed(), seen, BOTH).index == 0
     # κ = 0 (no κ term in the floor): among peers r's prefill still counts F times, in both paths
     plain_floor = policy("balanced_minmax", twins, ttft_weight=0.0)
     assert plain_floor.choose(prefixed(), seen, BOTH).index == 1
@@ -301,3 +303,31 @@ def test_between_peers_a_hit_counts_cache_weight_times_against_the_prompts_waiti
     )
     # the same fleet without the cached prefix: nothing to trade, the less busy backend takes r
     assert default.choose(prefixed(), with_cache(seen, [0.0, 0.0]), BOTH).index == 1
+
+
+def test_between_peers_peer_queue_weight_counts_the_wait_ahead_more_times() -> None:
+    """``peer_queue_weight`` X (default 0): among peers the wait behind the prompts already queued,
+    p1 · P_s, counts 1 + X times against r's saved prefill, counted 1 + F_p times. Backend a holds 2,000
+    of r's tokens and has a wait of 2.5 times the saving more than b: (1 + 3) × saving keeps r on a
+    with X = 0, (1 + 1.5) × 2.5 × saving sends it to b, the same in both paths; the option the
+    benchmark measures (F_p = 6, X = 1.5) keeps it on a, (1 + 6) × saving > 2.5 × 2.5 × saving."""
+    twins = (backend("a", profile(FAST, 400_000)), backend("b", profile(FAST, 400_000)))
+    saved = (FAST.p1 + FAST.p3) * 2000
+    excess = 2.5 * saved / FAST.p1
+    seen = with_cache(snap(twins, prefill_pending=[40_000.0 + excess, 40_000.0]), [2000.0, 0.0])
+    assert policy("balanced_minmax", twins).choose(prefixed(), seen, BOTH).index == 0
+    waits = policy("balanced_minmax", twins, peer_queue_weight=1.5)
+    decision = waits.choose(prefixed(), seen, BOTH)
+    assert decision.index == 1 and decision.reason.startswith("peer latency ")
+    assert waits.choose_vectorised(prefixed(), seen, BOTH).reason == decision.reason
+    option = policy("balanced_minmax", twins, peer_prefill_weight=6.0, peer_queue_weight=1.5)
+    assert option.choose(prefixed(), seen, BOTH).index == 0
+    assert option.choose_vectorised(prefixed(), seen, BOTH).index == 0
+    # without a queue term in the floor (prefill_queue false) X still weighs the wait among peers
+    no_term = policy("balanced_minmax", twins, prefill_queue=False, peer_queue_weight=1.5)
+    assert (
+        no_term.choose(prefixed(), seen, BOTH).reason
+        == no_term.choose_vectorised(prefixed(), seen, BOTH).reason
+    )
+    with pytest.raises(ConfigError, match="peer_queue_weight"):
+        policy("balanced_minmax", twins, peer_queue_weight=-1.0)
