@@ -61,12 +61,11 @@ choice.
 ``peer_latency`` (default true since stop 40): where every candidate is a peer (the same engine on the
 same hardware as far as the router knows, :mod:`.peers`), r's own predicted latency ``lat_r^s`` picks
 the backend instead of the min-max, with r's own prefill counted ``peer_prefill_weight`` times (F_p,
-default 3, the cache weight's value) instead of κ and the wait behind the prompts already queued
-counted 1 + ``peer_queue_weight`` times (X, default 0)
+default 6 since stop 41; 3 before) instead of κ and the wait behind the prompts already queued counted
+1 + ``peer_queue_weight`` times (X, default 1.5 since stop 41; 0 before)
 (:func:`~hetroute.policies.peers.peer_latency_s`), ties keeping the min-max's choice (docs/prefix.md,
-"``peer_latency``: equal backends decide by the request's own latency"). ``false`` gives the min-max
-on such fleets too. F_p = 6 with X = 1.5 met every homogeneous bar of the prefix benchmark at stop 41
-(docs/prefix.md, "Stop 41"); it is an option until its results are run on every table.
+"``peer_latency``: equal backends decide by the request's own latency", and "Stop 41" for the two
+weights). ``false`` gives the min-max on such fleets too.
 """
 
 from __future__ import annotations
@@ -78,6 +77,10 @@ from hetroute.policies.workload_minmax import MinMaxParams, MinMaxPolicy, build_
 
 CACHE_WEIGHT = 3.0
 """The prefill a cache hit saves counts three times where the min-max is indifferent (docs/prefix.md)."""
+PEER_PREFILL_WEIGHT = 6.0
+"""Among peers r's own prefill (what a cached prefix saves) counts six times (docs/prefix.md, "Stop 41")."""
+PEER_QUEUE_WEIGHT = 1.5
+"""Among peers the wait behind the prompts already queued counts 1 + 1.5 times (docs/prefix.md, "Stop 41")."""
 SESSION_SLACK = 0.1
 """A session stays on its last backend while that backend's min-max score is within 10 % of the best."""
 
@@ -93,6 +96,7 @@ def from_config(params: Mapping[str, object], ctx: PolicyContext) -> MinMaxPolic
         cache_weight=CACHE_WEIGHT,
         session_slack=SESSION_SLACK,
         peer_latency=True,
-        peer_prefill_weight=CACHE_WEIGHT,
+        peer_prefill_weight=PEER_PREFILL_WEIGHT,
+        peer_queue_weight=PEER_QUEUE_WEIGHT,
     )
     return build_minmax("balanced_minmax", params, ctx, defaults, overflow_only=True)

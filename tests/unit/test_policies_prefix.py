@@ -278,24 +278,32 @@ def test_the_saved_prefill_counts_cache_weight_times_where_the_min_max_is_indiff
     assert default.choose(prefixed(), home_ahead_by(3.5 * saved), BOTH).index == 0
 
 
-def test_between_peers_a_hit_counts_cache_weight_times_against_the_prompts_waiting_ahead() -> None:
+def test_between_peers_a_hit_counts_peer_prefill_weight_times_against_the_prompts_waiting_ahead() -> None:
     """``peer_latency`` (on by default): among peers the floor decides with r's own prefill counted
-    ``peer_prefill_weight`` (F_p = 3, the cache weight's value) times instead of κ (8), so a hit is
-    not bought with a long wait. Backend a holds 2,000 of r's 2,048 prompt tokens (saving 0.06 s of
-    prefill) but has 39,000 more prompt tokens (0.39 s) waiting than b, which holds nothing: 0.39 s of
-    wait against (1 + F_p) × 0.06 s of prefill sends r to b, against (1 + κ) × 0.06 s (F_p = κ) to a.
-    (Under the balance guard on waiting prompts, so the credit stands.)"""
+    ``peer_prefill_weight`` (F_p; 3 here, the default until stop 41, with no extra queue weight)
+    times instead of κ (8), so a hit is not bought with a long wait. Backend a holds 2,000 of r's
+    2,048 prompt tokens (saving 0.06 s of prefill) but has 39,000 more prompt tokens (0.39 s) waiting
+    than b, which holds nothing: 0.39 s of wait against (1 + F_p) × 0.06 s of prefill sends r to b,
+    against (1 + κ) × 0.06 s (F_p = κ) to a. (Under the balance guard on waiting prompts, so the
+    credit stands.)"""
     twins = (backend("a", profile(FAST, 400_000)), backend("b", profile(FAST, 400_000)))
     seen = with_cache(snap(twins, prefill_pending=[79_000.0, 40_000.0]), [2000.0, 0.0])
     saved = (FAST.p1 + FAST.p3) * 2000
     assert 4 * saved < FAST.p1 * 39_000 < 9 * saved
-    default = policy("balanced_minmax", twins)
+    default = policy("balanced_minmax", twins, peer_prefill_weight=3.0, peer_queue_weight=0.0)
     decision = default.choose(prefixed(), seen, BOTH)
     assert decision.index == 1 and decision.reason.startswith("peer latency ")
     assert default.choose_vectorised(prefixed(), seen, BOTH).reason == decision.reason
-    assert policy("balanced_minmax", twins, peer_prefill_weight=8.0).choose(prefixed(), seen, BOTH).index == 0
+    assert (
+        policy("balanced_minmax", twins, peer_prefill_weight=8.0, peer_queue_weight=0.0)
+        .choose(prefixed(), seen, BOTH)
+        .index
+        == 0
+    )
     # κ = 0 (no κ term in the floor): among peers r's prefill still counts F times, in both paths
-    plain_floor = policy("balanced_minmax", twins, ttft_weight=0.0)
+    plain_floor = policy(
+        "balanced_minmax", twins, ttft_weight=0.0, peer_prefill_weight=3.0, peer_queue_weight=0.0
+    )
     assert plain_floor.choose(prefixed(), seen, BOTH).index == 1
     assert (
         plain_floor.choose_vectorised(prefixed(), seen, BOTH).reason
@@ -306,25 +314,31 @@ def test_between_peers_a_hit_counts_cache_weight_times_against_the_prompts_waiti
 
 
 def test_between_peers_peer_queue_weight_counts_the_wait_ahead_more_times() -> None:
-    """``peer_queue_weight`` X (default 0): among peers the wait behind the prompts already queued,
-    p1 · P_s, counts 1 + X times against r's saved prefill, counted 1 + F_p times. Backend a holds 2,000
-    of r's tokens and has a wait of 2.5 times the saving more than b: (1 + 3) × saving keeps r on a
-    with X = 0, (1 + 1.5) × 2.5 × saving sends it to b, the same in both paths; the option the
-    benchmark measures (F_p = 6, X = 1.5) keeps it on a, (1 + 6) × saving > 2.5 × 2.5 × saving."""
+    """``peer_queue_weight`` X: among peers the wait behind the prompts already queued, p1 · P_s,
+    counts 1 + X times against r's saved prefill, counted 1 + F_p times. Backend a holds 2,000 of r's
+    tokens and has a wait of 2.5 times the saving more than b: with F_p = 3, (1 + 3) × saving keeps r
+    on a with X = 0, and (1 + 1.5) × 2.5 × saving sends it to b, the same in both paths; the default
+    since stop 41 (F_p = 6, X = 1.5) keeps it on a, (1 + 6) × saving > 2.5 × 2.5 × saving."""
     twins = (backend("a", profile(FAST, 400_000)), backend("b", profile(FAST, 400_000)))
     saved = (FAST.p1 + FAST.p3) * 2000
     excess = 2.5 * saved / FAST.p1
     seen = with_cache(snap(twins, prefill_pending=[40_000.0 + excess, 40_000.0]), [2000.0, 0.0])
-    assert policy("balanced_minmax", twins).choose(prefixed(), seen, BOTH).index == 0
-    waits = policy("balanced_minmax", twins, peer_queue_weight=1.5)
+    assert (
+        policy("balanced_minmax", twins, peer_prefill_weight=3.0, peer_queue_weight=0.0)
+        .choose(prefixed(), seen, BOTH)
+        .index
+        == 0
+    )
+    waits = policy("balanced_minmax", twins, peer_prefill_weight=3.0, peer_queue_weight=1.5)
     decision = waits.choose(prefixed(), seen, BOTH)
     assert decision.index == 1 and decision.reason.startswith("peer latency ")
     assert waits.choose_vectorised(prefixed(), seen, BOTH).reason == decision.reason
-    option = policy("balanced_minmax", twins, peer_prefill_weight=6.0, peer_queue_weight=1.5)
+    option = policy("balanced_minmax", twins)
+    assert (option.peer_prefill_weight, option.peer_queue_weight) == (6.0, 1.5)
     assert option.choose(prefixed(), seen, BOTH).index == 0
     assert option.choose_vectorised(prefixed(), seen, BOTH).index == 0
     # without a queue term in the floor (prefill_queue false) X still weighs the wait among peers
-    no_term = policy("balanced_minmax", twins, prefill_queue=False, peer_queue_weight=1.5)
+    no_term = policy("balanced_minmax", twins, prefill_queue=False, peer_prefill_weight=3.0)
     assert (
         no_term.choose(prefixed(), seen, BOTH).reason
         == no_term.choose_vectorised(prefixed(), seen, BOTH).reason
