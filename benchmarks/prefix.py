@@ -54,14 +54,13 @@ POLICIES: dict[str, tuple[str, dict[str, object]]] = {
     "session_hash": ("session_hash", {}),
     "default-peer-latency": ("balanced_minmax", {"peer_latency": True}),
     "default-no-peer-latency": ("balanced_minmax", {"peer_latency": False}),
-    "default-peer-queue": ("balanced_minmax", {"peer_prefill_weight": 6.0, "peer_queue_weight": 1.5}),
-    "default-peer-queue-no-prefix": ("balanced_minmax", {"prefix": False, "peer_queue_weight": 1.5}),
+    "default-stop40": ("balanced_minmax", {"peer_prefill_weight": 3.0, "peer_queue_weight": 0.0}),
 }
 """``default-peer-latency`` is the default's settings since stop 40 (kept for the stop-39 tables that
 ran it as an option); ``default-no-peer-latency`` is the default as it was until then.
-``default-peer-queue`` is stop 41's option among peers (r's own prefill counted 6 times, the wait behind
-the queued prompts 2.5 times; docs/prefix.md, "Stop 41") and ``default-peer-queue-no-prefix`` the same
-without the prefix term (the prefill weight acts only through a cache credit, so it is left out)."""
+``default-stop40`` is the default of stop 40, before its weights among peers changed (r's own prefill
+counted 3 times instead of 6, the wait behind the queued prompts once instead of 2.5 times;
+docs/prefix.md, "Stop 41")."""
 TABLE_POLICIES = ("default", "default-no-prefix", "cache_aware", "prefix_scorer", "session_hash")
 """What a table runs unless ``--policies`` says otherwise (the two peer variants only when named)."""
 METRICS = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "engine_hit_rate", "router_hit_estimate")
