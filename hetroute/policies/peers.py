@@ -16,17 +16,18 @@ hardware:
 On a fleet of peers the min-max's drain-time balance has nothing to trade between unequal machines;
 :func:`peer_pick` lets r's own predicted latency decide there instead (the floor ``lat_r^s``: the prompts
 waiting ahead of r, r's κ-weighted prefill and its decode next to the backend's batch, so it follows
-the backend's load; between peers r's own prefill counts ``cache_weight`` times instead of κ,
-:func:`peer_latency_s`). Why: under the min-max a backend that holds the makespan takes only requests whose
-floor exceeds it everywhere else (long outputs), which keeps it on top, while long prompts queue on the
-others; on four equal A100s at 1.2 load that lengthened the p99 TTFT by 12-14 % against SGLang's
-cache-aware policy (docs/prefix.md).
+the backend's load; between peers r's own prefill counts F_p times instead of κ and the wait behind
+the queued prompts 1 + X times, :func:`peer_latency_s`). Why: under the min-max a backend that holds
+the makespan takes only requests whose floor exceeds it everywhere else (long outputs), which keeps it
+on top, while long prompts queue on the others; on four equal A100s at 1.2 load that lengthened the
+p99 TTFT by 12-14 % against SGLang's cache-aware policy (docs/prefix.md).
 
 A peer that slows down (throttled, a noisy neighbour) stays a peer: peers are judged by what the router
 was told, and equal backends' own live fits differ too much (0.45-2.6× on the same requests) to tell a
 2× slowdown from noise. The floor sees its queue and batch, not its speed, so it takes about a fifth
 of the requests instead of the min-max's seventh: on four A100s with one slowed 2× (Mooncake at 1.2),
-throughput −3 % (median of three seeds) and p99 TTFT about half the min-max's (docs/prefix.md).
+throughput −3 % (median of three seeds) and p99 TTFT about half the min-max's (docs/prefix.md; measured
+with stop 40's weights among peers, not since).
 """
 
 from __future__ import annotations
@@ -82,10 +83,10 @@ def peer_latency_s(
     Why F_p: between peers r's own prefill differs only by what its cached prefix saves, so κ (8 in
     ``balanced_minmax``, chosen to push misses onto faster machines) would count a hit eight times
     against the prompts waiting ahead of it. On four equal A100s with RAG documents at 0.7 load that
-    lengthened the p99 TTFT to ×1.19 of the default without the prefix term (0.755 against 0.633 s);
-    ``balanced_minmax`` counts it F = ``cache_weight`` (3) times by default. X (default 0) weighs the
-    wait behind the prompts queued at a holder against the saving; the pair F_p = 6, X = 1.5 is
-    measured in docs/prefix.md ("Stop 41")."""
+    lengthened the p99 TTFT to ×1.19 of the default without the prefix term (0.755 against 0.633 s).
+    X weighs the wait behind the prompts queued at a holder against that saving. ``balanced_minmax``
+    uses F_p = 6 and X = 1.5 since stop 41 (F_p = 3 and X = 0 before), which brought every homogeneous
+    cell of the prefix benchmark within 3 % of the best baseline (docs/prefix.md, "Stop 41")."""
     out = lat
     if ttft_weight != prefill_weight:
         if own_prefill_s is None:

@@ -34,7 +34,10 @@ inside the latency floor), ``explore_share`` / ``explore_min_samples`` /
 learner has few observations of, see :meth:`MinMaxPolicy._explore`; inert without live learning),
 ``peer_latency`` (default false, true in ``balanced_minmax``: where every candidate is a peer, the
 same engine on the same hardware as far as the router knows, the smallest predicted latency decides
-instead of the min-max, see :mod:`.peers` and docs/prefix.md), ``seed``.
+instead of the min-max, see :mod:`.peers` and docs/prefix.md), ``peer_prefill_weight`` /
+``peer_queue_weight`` (default 1 / 0, 6 / 1.5 in ``balanced_minmax``: among peers r's own prefill counts
+F_p times instead of κ and the wait behind the prompts already queued 1 + X times,
+:func:`~.peers.peer_latency_s`), ``seed``.
 
 With live learning the latency parameters come from the snapshot (``latency_params``), not from the
 static :class:`BackendModels` resolved at construction.
