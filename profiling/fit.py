@@ -213,9 +213,11 @@ def split_heldout(
     """Split whole batches into (train, held-out).
 
     Within each group of repeated batches of one shape, round(frac·n) are held out but never the whole
-    group, so every measured shape is in the training set. When that holds out nothing (every shape
-    measured once, e.g. the budget ran out early) a random ``frac`` share of all batches is held out,
-    keeping at least 4 for training.
+    group, so every measured shape is in the training set. When that holds out fewer than
+    round(frac·N) of all N batches (shapes measured only twice, e.g. the budget ran out in the last
+    round of repeats: round(0.25·2) is 0), spare repeats are added, one per shape in random order and
+    again while any shape has one, never a shape's last. When no shape was measured twice a random
+    ``frac`` share of all batches is held out, keeping at least 4 for training.
     """
     if not 0.0 <= heldout_frac < 1.0:
         raise ValueError(f"heldout_frac must be in [0, 1), got {heldout_frac}")
@@ -227,6 +229,14 @@ def split_heldout(
         members = groups[key]
         k = min(len(members) - 1, round(heldout_frac * len(members)))
         held.update(rng.sample(members, k) if k > 0 else [])
+    target = round(heldout_frac * len(batches))
+    if len(held) < target:
+        spares = [[i for i in members if i not in held][1:] for _, members in sorted(groups.items())]
+        rng.shuffle(spares)
+        while len(held) < target and any(spares):
+            for spare in spares:
+                if spare and len(held) < target:
+                    held.add(spare.pop(rng.randrange(len(spare))))
     if not held and heldout_frac > 0 and len(batches) > 4:
         k = min(len(batches) - 4, max(1, round(heldout_frac * len(batches))))
         held.update(rng.sample(range(len(batches)), k))

@@ -95,6 +95,19 @@ def test_heldout_split_keeps_every_shape_in_training() -> None:
     assert not {id(b) for b in train} & {id(b) for b in test}
 
 
+def test_heldout_split_of_shapes_measured_twice_holds_out_the_fraction_one_per_shape() -> None:
+    """round(0.25·2) is 0 per shape: the split tops up to round(0.25·72) = 18 spare repeats."""
+    batches = synthetic(noise=0.0, seed=0, reps=2)
+    train, test = split_heldout(batches, 0.25, random.Random(0))
+    assert len(test) == 18 and len(train) == 54
+    assert len({b.config for b in test}) == 18  # one per shape
+    assert {b.config for b in train} == {b.config for b in batches}
+    mixed = synthetic(noise=0.0, seed=0, reps=3)[:30] + synthetic(noise=0.0, seed=1, reps=2)[24:]
+    train, test = split_heldout(mixed, 0.25, random.Random(1))
+    assert len(test) == round(0.25 * len(mixed))
+    assert {b.config for b in train} == {b.config for b in mixed}
+
+
 def test_heldout_split_falls_back_to_random_when_each_shape_was_measured_once() -> None:
     batches = synthetic(noise=0.0, seed=0, reps=1)
     train, test = split_heldout(batches, 0.25, random.Random(0))
