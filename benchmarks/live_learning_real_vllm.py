@@ -51,7 +51,8 @@ def main() -> int:
         except (tiny_vllm.NotInstalled, tiny_vllm.DidNotStart) as exc:
             raise SystemExit(str(exc)) from exc
         try:
-            result = asyncio.run(measure(url, args.requests, args.after, args.seed))
+            with tiny_vllm.off_engine_cores():
+                result = asyncio.run(measure(url, args.requests, args.after, args.seed))
         finally:
             tiny_vllm.stop(proc)
     result["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, no GPU"

@@ -20,6 +20,8 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 VENV = Path(os.environ.get("HETROUTE_VLLM_VENV", Path.home() / ".cache/hetroute/vllm-venv"))
@@ -46,16 +48,87 @@ def ready() -> bool:
 
 def engine_cores() -> str:
     """The cores the engine's compute threads are pinned to (``VLLM_CPU_OMP_THREADS_BIND``): the last
-    one, so that the gateway and the test's client, on the others, do not preempt them.
+    one. vLLM pins only its worker process there; :func:`start` then moves the server's other
+    processes (API server, engine-core loop) off it, and :func:`off_engine_cores` the caller's own
+    gateway and client, so that nothing preempts the engine's compute on it.
 
     Left to its default (all cores) on a 2-core machine, the engine's threads shared both cores with
     the gateway in the same test, and the live-learning error of a fresh server ranged 10-17 % over
-    several runs (one CI run failed the 15 % bar at 15.3 %); pinned to one core, 8.7-11.7 % over
-    several (those runs are not committed).
+    several runs (one CI run failed the 15 % bar at 15.3 %). With only the worker pinned, the API
+    server (~30 % of a core), the engine-core loop (~45 %) and the test's own process still ran on the
+    worker's core when the other was busy: 6.4-7.8 % on a quiet machine, but 18.7 % with one busy
+    process beside it (and a CI run failed at 15.6 %). With everything else kept off it: 5.4 % quiet,
+    7.0 % beside the same busy process (single runs on 2026-11-28; not committed).
     A GPU host gives its engine dedicated compute in the same way.
     """
     cores = os.cpu_count() or 1
     return str(cores - 1) if cores > 1 else "all"
+
+
+def _other_cores() -> set[int]:
+    """Every core but :func:`engine_cores` (empty where the engine has them all)."""
+    bound = engine_cores()
+    if bound == "all":
+        return set()
+    return set(range(os.cpu_count() or 1)) - {int(bound)}
+
+
+def _tree(root: int) -> list[int]:
+    """``root`` and every process below it, from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, ()))
+    return found
+
+
+def _keep_off_engine_cores(root: int) -> int:
+    """Move every thread under ``root`` that may run on the engine's cores, except those vLLM pinned
+    there itself (the worker's), onto the other cores; returns how many were moved."""
+    others = _other_cores()
+    if not others:
+        return 0
+    moved = 0
+    for pid in _tree(root):
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                allowed = os.sched_getaffinity(tid)
+                if allowed <= others or allowed.isdisjoint(others):
+                    continue  # already off the engine's cores, or pinned onto them by vLLM
+                os.sched_setaffinity(tid, others)
+                moved += 1
+            except OSError:
+                continue  # the thread ended meanwhile
+    return moved
+
+
+@contextmanager
+def off_engine_cores() -> Iterator[None]:
+    """Run the calling thread (and the threads it starts) off the engine's cores, restoring its
+    affinity after: the gateway and the client under test then leave the engine's core to it."""
+    others = _other_cores()
+    before = os.sched_getaffinity(0)
+    if others:
+        os.sched_setaffinity(0, others)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def _free_port() -> int:
@@ -73,7 +146,9 @@ def _healthy(url: str) -> bool:
 
 
 def start(work: Path, timeout_s: float = 180.0) -> tuple[subprocess.Popen[bytes], str]:
-    """Build the model in ``work``, serve it, wait until healthy; returns the process and its URL."""
+    """Build the model in ``work``, serve it, wait until healthy, then move the server's processes off
+    the engine's cores (all but the worker vLLM pinned there: :func:`engine_cores`); returns the
+    process and its URL."""
     if not ready():
         raise NotInstalled(f"no ready vLLM venv at {VENV}; run tests/real_engine/setup.sh")
     python = VENV / "bin" / "python"
@@ -122,6 +197,7 @@ def start(work: Path, timeout_s: float = 180.0) -> tuple[subprocess.Popen[bytes]
             tail = log_path.read_text(errors="replace")[-3000:]
             raise DidNotStart(f"vLLM did not become healthy (exit {proc.poll()}); log tail:\n{tail}")
         time.sleep(1.0)
+    _keep_off_engine_cores(proc.pid)
     return proc, url
 
 
