@@ -68,7 +68,9 @@ async def test_streams_outliving_the_grace_get_an_error_event_and_exit_is_bounde
                 assert r.status == 401
             async with s.get(url + "/admin/backends", headers={"Authorization": "bearer s3cret"}) as r:
                 assert r.status == 200
-            long = {"model": MODEL, "prompt": "hi", "max_tokens": 2000, "stream": True}
+            # exactly 2,000 tokens (without ignore_eos the emulator draws a ShareGPT-like length, which
+            # can end the stream inside the grace: a CI run then saw [DONE] without the error event)
+            long = {"model": MODEL, "prompt": "hi", "max_tokens": 2000, "ignore_eos": True, "stream": True}
             openai_started, tgi_started = asyncio.Event(), asyncio.Event()
             openai = asyncio.ensure_future(_stream(s, url, "/v1/completions", long, openai_started))
             tgi_body = {"inputs": "hi", "parameters": {"max_new_tokens": 2000}}
@@ -86,6 +88,7 @@ async def test_streams_outliving_the_grace_get_an_error_event_and_exit_is_bounde
         assert elapsed < GRACE_S + EXIT_MARGIN_S, elapsed
         last = openai_out.rstrip(b"\n").split(b"\n\n")
         assert last[-1] == b"data: [DONE]"
+        assert b"error" in last[-2], last[-4:]  # the stream was cut, not finished
         err = json.loads(last[-2].removeprefix(b"data: "))["error"]
         assert err["message"] == "the gateway is shutting down" and err["code"] == 503
         tgi_last = json.loads(tgi_out.rstrip(b"\n").split(b"\n\n")[-1].removeprefix(b"data:"))
