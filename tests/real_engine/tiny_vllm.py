@@ -52,13 +52,7 @@ def engine_cores() -> str:
     processes (API server, engine-core loop) off it, and :func:`off_engine_cores` the caller's own
     gateway and client, so that nothing preempts the engine's compute on it.
 
-    Left to its default (all cores) on a 2-core machine, the engine's threads shared both cores with
-    the gateway in the same test, and the live-learning error of a fresh server ranged 10-17 % over
-    several runs (one CI run failed the 15 % bar at 15.3 %). With only the worker pinned, the API
-    server (~30 % of a core), the engine-core loop (~45 %) and the test's own process still ran on the
-    worker's core when the other was busy: 6.4-7.8 % on a quiet machine, but 18.7 % with one busy
-    process beside it (and a CI run failed at 15.6 %). With everything else kept off it: 5.4 % quiet,
-    7.0 % beside the same busy process (single runs on 2026-11-28; not committed).
+    Why, with the errors measured each way: docs/learning.md, "Measured".
     A GPU host gives its engine dedicated compute in the same way.
     """
     cores = os.cpu_count() or 1
@@ -93,13 +87,12 @@ def _tree(root: int) -> list[int]:
     return found
 
 
-def _keep_off_engine_cores(root: int) -> int:
+def _keep_off_engine_cores(root: int) -> None:
     """Move every thread under ``root`` that may run on the engine's cores, except those vLLM pinned
-    there itself (the worker's), onto the other cores; returns how many were moved."""
+    there itself (the worker's), onto the other cores."""
     others = _other_cores()
     if not others:
-        return 0
-    moved = 0
+        return
     for pid in _tree(root):
         try:
             tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
@@ -111,10 +104,8 @@ def _keep_off_engine_cores(root: int) -> int:
                 if allowed <= others or allowed.isdisjoint(others):
                     continue  # already off the engine's cores, or pinned onto them by vLLM
                 os.sched_setaffinity(tid, others)
-                moved += 1
             except OSError:
                 continue  # the thread ended meanwhile
-    return moved
 
 
 @contextmanager
