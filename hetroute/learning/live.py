@@ -605,6 +605,28 @@ class LiveModels:
         self._take_queued()
         return tuple(self._b[i].errors)
 
+    def hindsight_e2e_errors(self, i: int, last: int) -> tuple[float, ...]:
+        """|predicted / observed e2e − 1| of backend ``i``'s last ``last`` observations under the same
+        model form fitted to those observations themselves, in hindsight and with equal weights (no
+        decay): the spread no model of this form predicts away, mostly the engine's own noise. A
+        measurement's reference for :meth:`recent_e2e_errors` (docs/learning.md); never used to route."""
+        self._take_queued()
+        b = self._b[i]
+        judged = list(b.observations)[-last:]
+        cap, seqs = float(self._caps[i]), float(self._max_seqs[i])
+        fit = fit_backend(
+            judged,
+            b.prior.params,
+            now_s=0.0,
+            capacity_tokens=cap,
+            max_num_seqs=seqs,
+            settings=FitSettings(half_life_s=math.inf),
+        )
+        params = list(fit.params)
+        return tuple(
+            abs(predict_e2e_s(params, obs, cap, seqs) / obs.e2e_s - 1.0) for obs in judged if obs.e2e_s > 0
+        )
+
     def observed_total(self, i: int) -> int:
         self._take_queued()
         return self._b[i].observed_total

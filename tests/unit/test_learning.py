@@ -552,3 +552,21 @@ def test_a_limited_refit_takes_the_dirty_backends_in_turn_and_a_whole_pass_equal
         sliced.refit(30.0, limit=1)
         order += [i for i in (0, 5, 9) if sliced.fit_of(i) is not before[i]]
     assert order == [0, 5, 9] and sliced.dirty_backends() == 0
+
+
+def test_the_hindsight_errors_are_the_noise_the_model_form_cannot_predict_away() -> None:
+    """The same model form fitted to the judged observations themselves: near zero on noiseless
+    requests however wrong the prior, about the noise on noisy ones, and over the last ``last`` only."""
+    wrong = tuple(v * 3.0 for v in TRUE)
+    exact = LiveModels(["b0"], [PriorModel(wrong, "wrong prior", "profile")], [CAP], [SEQS], LearningConfig())
+    noisy = LiveModels(["b0"], [PriorModel(wrong, "wrong prior", "profile")], [CAP], [SEQS], LearningConfig())
+    for obs in synthetic(TRUE, 300, random.Random(3), noise=0.0):
+        exact.observe(obs)
+    for obs in synthetic(TRUE, 300, random.Random(3), noise=0.2):
+        noisy.observe(obs)
+    assert len(exact.hindsight_e2e_errors(0, 200)) == 200
+    assert statistics.median(exact.hindsight_e2e_errors(0, 200)) < 0.02  # the prior's pull: 0.7 %
+    floor = statistics.median(noisy.hindsight_e2e_errors(0, 200))
+    assert 0.02 < floor < 0.2
+    # the learner's own errors were measured before each fit, starting from the ×3 prior
+    assert statistics.median(noisy.recent_e2e_errors(0)) > floor
