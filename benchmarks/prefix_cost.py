@@ -4,7 +4,9 @@ Decision latency: ``Router.route`` + ``release`` of the default policy at 4, 64 
 the prefix index on against off (same requests, same background load of 8 in flight per backend). Each
 request carries 32 chunk hashes (a 2,048-token prompt); half of them share one of 8 system prompts (16
 chunks) that the index already holds on a quarter of the backends, so lookups walk real matches.
-Timed with ``perf_counter_ns`` per decision after a warm-up; p50/p99 in microseconds. The fleets are
+Timed with ``perf_counter_ns`` per decision after a warm-up, the two routers alternately (one
+block of 50 decisions each in turn), so that a slow spell of a shared machine lands on both; p50/p99 in
+microseconds, and "added" is the median of the paired differences (on − off, same request). The fleets are
 profiled; one more row runs 64 backends with nothing known (no profile: the neutral default, whose
 decisions take the credit-net-of-waiting-tokens path, docs/prefix.md). Memory: the
 index after 100,000 distinct 4-chunk prompts over 8 backends, by ``tracemalloc``.
@@ -15,6 +17,7 @@ Usage: ``python benchmarks/prefix_cost.py [--decisions N]``; writes results/pref
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import platform
@@ -40,6 +43,10 @@ from hetroute.routing.router import Router  # noqa: E402
 from hetroute.types import RequestFeatures  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+BLOCK = 50
+"""Decisions timed on one router before the other takes its turn: long enough that the two do not
+evict each other's data from the CPU caches at every decision (alternating one by one read both
+routers slower: docs/prefix.md, "Costs"), short enough that a slow spell lands on both."""
 
 
 def requests(n: int, seed: int) -> list[RequestFeatures]:
@@ -58,32 +65,51 @@ def requests(n: int, seed: int) -> list[RequestFeatures]:
     return out
 
 
-def route_us(n: int, decisions: int, prefix: bool, known: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """(decide only, route + release) in µs per decision; ``known`` False drops the profiles."""
+def _router(n: int, prefix: bool, known: bool) -> Router:
     backends = fleet(n) if known else tuple(replace(b, profile=None) for b in fleet(n))
     policy = build_policy("balanced_minmax", {}, PolicyContext(backends, seed=1))
     state = PrefixState(n, PrefixConfig()) if prefix else None
-    router = Router(backends, policy, Ledger([b.name for b in backends]), ManualClock(), prefix=state)
+    return Router(backends, policy, Ledger([b.name for b in backends]), ManualClock(), prefix=state)
+
+
+def route_us(n: int, decisions: int, known: bool = True) -> dict[str, np.ndarray]:
+    """Per decision in µs, index off and on: ``decide_off``/``decide_on`` (decide only) and
+    ``off``/``on`` (route + release); ``known`` False drops the profiles.
+
+    The two routers see the same requests and are timed alternately, ``BLOCK`` decisions each in turn
+    (which goes first alternates too), so a slow spell of a shared machine lands on both: the added
+    cost is the median of the paired differences (the same request, off and on)."""
+    routers = {False: _router(n, False, known), True: _router(n, True, known)}
     feats = requests(decisions + 8 * n, seed=1)
-    held = [router.route(f) for f in feats[: 8 * n]]
+    held = {p: [r.route(f) for f in feats[: 8 * n]] for p, r in routers.items()}
     timed = feats[8 * n :]
-    for f in timed[:200]:
-        router.release(router.route(f))
-    decide = np.empty(len(timed), dtype=np.float64)
-    for k, f in enumerate(timed):
-        t0 = time.perf_counter_ns()
-        router.decide(f)
-        decide[k] = (time.perf_counter_ns() - t0) / 1e3
-    out = np.empty(len(timed), dtype=np.float64)
-    for k, f in enumerate(timed):
-        t0 = time.perf_counter_ns()
-        ticket = router.route(f)
-        router.release(ticket)
-        out[k] = (time.perf_counter_ns() - t0) / 1e3
-    for t in held:
-        router.release(t)
-    assert router.ledger.is_zero()
-    return decide, out
+    for r in routers.values():
+        for f in timed[:200]:
+            r.release(r.route(f))
+    out = {key: np.empty(len(timed), dtype=np.float64) for key in ("decide_off", "decide_on", "off", "on")}
+    blocks = [range(k, min(k + BLOCK, len(timed))) for k in range(0, len(timed), BLOCK)]
+    for j, block in enumerate(blocks):
+        for prefix in (False, True) if j % 2 == 0 else (True, False):
+            router, into = routers[prefix], out["decide_on" if prefix else "decide_off"]
+            for k in block:
+                f = timed[k]
+                t0 = time.perf_counter_ns()
+                router.decide(f)
+                into[k] = (time.perf_counter_ns() - t0) / 1e3
+    for j, block in enumerate(blocks):
+        for prefix in (False, True) if j % 2 == 0 else (True, False):
+            router, into = routers[prefix], out["on" if prefix else "off"]
+            for k in block:
+                f = timed[k]
+                t0 = time.perf_counter_ns()
+                ticket = router.route(f)
+                router.release(ticket)
+                into[k] = (time.perf_counter_ns() - t0) / 1e3
+    for p, r in routers.items():
+        for t in held[p]:
+            r.release(t)
+        assert r.ledger.is_zero()
+    return out
 
 
 def memory_mib(prompts: int = 100_000) -> tuple[float, float]:
@@ -103,18 +129,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows = []
     for n, known in ((4, True), (64, True), (512, True), (64, False)):
-        (d_off, off) = route_us(n, args.decisions, False, known)
-        (d_on, on) = route_us(n, args.decisions, True, known)
+        t = route_us(n, args.decisions, known)
+        d_off, d_on, off, on = t["decide_off"], t["decide_on"], t["off"], t["on"]
         rows.append(
             {
                 "backends": n,
                 "models": "profiled" if known else "nothing known",
                 "decide_off_p50_us": float(np.median(d_off)),
                 "decide_on_p50_us": float(np.median(d_on)),
-                "decide_added_p50_us": float(np.median(d_on) - np.median(d_off)),
+                "decide_added_p50_us": float(np.median(d_on - d_off)),
                 "off_p50_us": float(np.median(off)),
                 "on_p50_us": float(np.median(on)),
-                "added_p50_us": float(np.median(on) - np.median(off)),
+                "added_p50_us": float(np.median(on - off)),
                 "off_p99_us": float(np.percentile(off, 99)),
                 "on_p99_us": float(np.percentile(on, 99)),
             }
@@ -124,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": platform.platform(),
         "python": sys.version.split()[0],
         "decisions": args.decisions,
+        "date": datetime.date.today().isoformat(),
         "route_release": rows,
         "index_100k_prompts_mib": {"tracemalloc": traced, "estimate": estimate},
     }
@@ -131,7 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (RESULTS / "prefix_cost.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     lines = [
         f"# Prefix routing cost ({platform.machine()}, Python {sys.version.split()[0]}, "
-        f"{args.decisions} decisions)",
+        f"{args.decisions} decisions, {doc['date']}; the two routers timed alternately, "
+        "'added' is the median of the paired differences)",
         "",
         "| backends | models | decide p50 off (µs) | on | added | route+release p50 off | on | added "
         "| p99 off | p99 on |",
