@@ -300,12 +300,14 @@ class BackendModels:
         max_num_seqs: FloatArray | None = None,
         *,
         saved: bool = True,
+        uncached_tokens: FloatArray | None = None,
     ) -> tuple[FloatArray, FloatArray | None]:
         """(T_r^s, the prefill time the cached tokens save in it) as :meth:`amortised_request_s`; the
         saving is ``(p1·b + p3) · (I − U) / b`` (the prefill terms' share, before T's clamp at 0), None
-        without ``saved``."""
+        without ``saved``. ``uncached_tokens``: :func:`uncached_tokens` of these inputs, when the caller
+        already has it (one decision computes it once for every term)."""
         i = float(max(input_tokens, 0))
-        iu = _uncached(i, cached_tokens)
+        iu = _uncached(i, cached_tokens) if uncached_tokens is None else uncached_tokens
         o = float(max(output_tokens, 0))
         per_request = max(1.0, i + o)
         seqs = self.max_num_seqs[idx] if max_num_seqs is None else max_num_seqs
@@ -337,17 +339,23 @@ class BackendModels:
         context_tokens: FloatArray,
         params: FloatArray | None = None,
         cached_tokens: FloatArray | None = None,
+        *,
+        uncached_tokens: FloatArray | None = None,
     ) -> FloatArray:
         """Latency of one request joining a running batch: its prefill alone, then Õ decode steps.
 
         ``batch`` is the number of sequences decoding together (r included) and ``context_tokens``
         their mean KV length, both aligned with ``idx``:
         ``T_prefill(1, I − cached) + Õ · τ_decode(context + Õ/2, batch)`` (Eq. 3 and the per-step
-        model; ``cached_tokens`` as in :meth:`amortised_request_s`).
+        model; ``cached_tokens`` and ``uncached_tokens`` as in :meth:`amortised_and_saved_s`).
         """
         p = self.rows(idx, params)
         o = float(max(output_tokens, 0))
-        iu = _uncached(float(max(input_tokens, 0)), cached_tokens)
+        iu = (
+            _uncached(float(max(input_tokens, 0)), cached_tokens)
+            if uncached_tokens is None
+            else uncached_tokens
+        )
         b = np.minimum(np.maximum(batch, 1.0), self.max_num_seqs[idx])
         kv_len = context_tokens + o / 2.0
         prefill = p[:, 0] * iu + p[:, 1] + p[:, 2] * iu + p[:, 3]
@@ -361,10 +369,17 @@ class BackendModels:
         input_tokens: float,
         params: FloatArray | None = None,
         cached_tokens: FloatArray | None = None,
+        *,
+        uncached_tokens: FloatArray | None = None,
     ) -> FloatArray:
-        """T_prefill(1, I − cached) per backend in ``idx``: one prompt prefilled alone (Eq. 3, b = 1), ≥ 0."""
+        """T_prefill(1, I − cached) per backend in ``idx``: one prompt prefilled alone (Eq. 3, b = 1), ≥ 0
+        (``uncached_tokens`` as in :meth:`amortised_and_saved_s`)."""
         p = self.rows(idx, params)
-        i = _uncached(float(max(input_tokens, 0)), cached_tokens)
+        i = (
+            _uncached(float(max(input_tokens, 0)), cached_tokens)
+            if uncached_tokens is None
+            else uncached_tokens
+        )
         out: FloatArray = np.maximum(p[:, 0] * i + p[:, 1] + p[:, 2] * i + p[:, 3], 0.0)
         return out
 
@@ -393,6 +408,13 @@ class BackendModels:
         tokens = max(1.0, float(input_tokens) + float(output_tokens))
         out: FloatArray = tokens / np.maximum(t, 1e-12)
         return out
+
+
+def uncached_tokens(input_tokens: float, cached_tokens: FloatArray) -> FloatArray:
+    """Prompt tokens left to prefill on each backend, ``max(I − cached, 0)``: what the model methods'
+    ``uncached_tokens`` takes (the same value they compute from ``cached_tokens`` themselves)."""
+    out: FloatArray = np.maximum(float(max(input_tokens, 0)) - cached_tokens, 0.0)
+    return out
 
 
 def _uncached(input_tokens: float, cached_tokens: FloatArray | None) -> FloatArray | float:

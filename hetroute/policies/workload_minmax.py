@@ -55,7 +55,7 @@ from typing import Annotated, Literal
 import numpy as np
 
 from hetroute.fields import UNIT, NonNegativeInt, PositiveInt, Range
-from hetroute.policies.backend_model import BackendModels
+from hetroute.policies.backend_model import BackendModels, uncached_tokens
 from hetroute.policies.base import PolicyContext, read_params, seeded_rng
 from hetroute.policies.minmax_scalar import MAX_EXPONENT as MAX_EXPONENT
 from hetroute.policies.minmax_scalar import (
@@ -238,9 +238,11 @@ class MinMaxPolicy:
         cached: FloatArray | None | _Unset,
         *,
         saved: bool,
+        uncached: FloatArray | None = None,
     ) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray | None]:
         """:meth:`costs` and, with ``saved``, the part of w_r^s the cached tokens save
-        (``(p1·b + p3)·cached/b · e^(θ·g)``, for ``cache_weight``)."""
+        (``(p1·b + p3)·cached/b · e^(θ·g)``, for ``cache_weight``); ``uncached``: ``uncached_tokens``
+        of ``cached`` when the caller has it."""
         cap = self.models.capacity_tokens(snapshot, candidates)
         if isinstance(cached, _Unset):
             cached = self._cached(snapshot, candidates)
@@ -252,7 +254,14 @@ class MinMaxPolicy:
         else:
             batch_cap = cap if self.batch_kv == "full" else cap * (i + o) / max(1.0, i + o / 2.0)
             t, t_saved = self.models.amortised_and_saved_s(
-                candidates, i, o, batch_cap, snapshot.latency_params, cached, saved=saved
+                candidates,
+                i,
+                o,
+                batch_cap,
+                snapshot.latency_params,
+                cached,
+                saved=saved,
+                uncached_tokens=uncached,
             )
         u = kv_usage(snapshot, candidates, cap, self.kv_signal)
         g = np.maximum(u - 1.0, 0.0) if self.overflow_only else u
@@ -277,10 +286,12 @@ class MinMaxPolicy:
         snapshot: ClusterSnapshot,
         candidates: IntArray,
         cached: FloatArray | None | _Unset = UNSET,
+        uncached: FloatArray | None = None,
     ) -> tuple[FloatArray, FloatArray | None, FloatArray | None]:
         """:meth:`latency`, r's own prefill on each candidate, T_prefill(1, I − cached), where the κ
         term computed it (else None), and the wait behind the prompts already queued, p1 · P_s, where
-        ``prefill_queue`` computed it (else None), for :func:`~.peers.peer_latency_s`."""
+        ``prefill_queue`` computed it (else None), for :func:`~.peers.peer_latency_s`; ``uncached`` as
+        in :meth:`_costs`."""
         n = snapshot.requests_in_flight[candidates].astype(np.float64)
         context = (
             snapshot.input_tokens_in_flight[candidates] + snapshot.generated_tokens_in_flight[candidates]
@@ -297,6 +308,7 @@ class MinMaxPolicy:
             mean_context,
             params,
             cached,
+            uncached_tokens=uncached,
         )
         queue: FloatArray | None = None
         if self.prefill_queue:
@@ -307,7 +319,9 @@ class MinMaxPolicy:
         if self.ttft_weight > 0.0:
             # κ weights r's own prefill on each backend: the uncached part of its prompt, its TTFT on an
             # idle backend (docs/prefix.md, "The cost model").
-            own_prefill = self.models.prefill_s(candidates, features.input_tokens, params, cached)
+            own_prefill = self.models.prefill_s(
+                candidates, features.input_tokens, params, cached, uncached_tokens=uncached
+            )
             out = out + self.ttft_weight * own_prefill
         return out, own_prefill, queue
 
@@ -332,21 +346,26 @@ class MinMaxPolicy:
     ) -> RoutingDecision:
         """The min-max choice over numpy arrays (any fleet size, every KV signal)."""
         cached = self._cached(snapshot, candidates)  # once per decision, for both terms
+        # I − cached, once for every term that prices r's prefill
+        uncached = None if cached is None else uncached_tokens(features.input_tokens, cached)
         weighted = cached is not None and self.cache_weight != 1.0 and bool((cached > 0.0).any())
-        t, u, w, w_saved = self._costs(features, snapshot, candidates, cached, saved=weighted)
+        t, u, w, w_saved = self._costs(
+            features, snapshot, candidates, cached, saved=weighted, uncached=uncached
+        )
         loads = snapshot.workload
-        own = loads[candidates] + w
+        base = loads[candidates]
+        own = base + w
         rank = own  # what breaks ties between equal min-max scores
         if w_saved is not None:
             # The prefill a hit saves counts cache_weight times where the min-max is indifferent (the
             # tie-break); the makespan score keeps D ≥ L_s and the ledger is charged w (docs/prefix.md).
             rank = own - (self.cache_weight - 1.0) * np.maximum(w_saved, 0.0)
-            own = np.maximum(rank, loads[candidates])
+            own = np.maximum(rank, base)
         lat: FloatArray | None = None
         own_prefill: FloatArray | None = None
         queue: FloatArray | None = None
         if self.latency_floor:
-            lat, own_prefill, queue = self._floor(features, snapshot, candidates, cached)
+            lat, own_prefill, queue = self._floor(features, snapshot, candidates, cached, uncached)
             own = np.maximum(own, lat)
             rank = own if w_saved is None else np.maximum(rank, lat)
         if loads.size >= 2:
@@ -369,7 +388,11 @@ class MinMaxPolicy:
         if self.peer_latency and lat is not None and self.peers(self.models, snapshot, candidates):
             if own_prefill is None and self.ttft_weight != self.peer_prefill_weight:
                 own_prefill = self.models.prefill_s(
-                    candidates, features.input_tokens, snapshot.latency_params, cached
+                    candidates,
+                    features.input_tokens,
+                    snapshot.latency_params,
+                    cached,
+                    uncached_tokens=uncached,
                 )
             if queue is None and self.peer_queue_weight != 0.0:  # no queue term in the floor itself
                 queue = self.models.prefill_queue_s(
