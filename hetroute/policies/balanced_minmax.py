@@ -62,7 +62,8 @@ choice.
 same hardware as far as the router knows, :mod:`.peers`), r's own predicted latency ``lat_r^s`` picks
 the backend instead of the min-max, with r's own prefill counted ``peer_prefill_weight`` times (F_p,
 default 6 since stop 41; 3 before) instead of κ and the wait behind the prompts already queued counted
-1 + ``peer_queue_weight`` times (X, default 1.5 since stop 41; 0 before)
+1 + ``peer_queue_weight`` times (X, default 1.5 since stop 41; 0 before; once while every peer's batch
+is full, :func:`~hetroute.policies.peers.slots_taken`, since stop 43)
 (:func:`~hetroute.policies.peers.peer_latency_s`), ties keeping the min-max's choice (docs/prefix.md,
 "``peer_latency``: equal backends decide by the request's own latency", and "Stop 41" for the two
 weights). ``false`` gives the min-max on such fleets too.

@@ -407,6 +407,8 @@ def _costs(
         kv = [in_fl[c] + pred[c] for c in cand]
     peer_weight = policy.ttft_weight - policy.peer_prefill_weight  # κ − F_p (peers.peer_latency_s)
     queue_weight = policy.peer_queue_weight  # X
+    if peered and queue_weight != 0.0 and all(n_req[c] >= seqs[c] for c in cand):
+        queue_weight = 0.0  # every batch full: r waits for the work ahead (peers.slots_taken)
     peers_priced = peered and policy.latency_floor and (peer_weight != 0.0 or queue_weight != 0.0)
     prefill_queue = policy.prefill_queue
     wanted = prefill_queue or (peers_priced and queue_weight != 0.0)

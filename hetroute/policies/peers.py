@@ -99,6 +99,20 @@ def peer_latency_s(
     return out
 
 
+def slots_taken(requests_in_flight: IntArray, max_num_seqs: FloatArray) -> bool:
+    """Whether every candidate already runs as many requests as its batch holds (in flight ≥
+    ``max_num_seqs``, both aligned with the candidates): then X counts for nothing among peers.
+
+    X prices the wait behind prompts queued for a prefill, which r shares once it is admitted to the
+    batch. With every peer's batch full (a burst: requests queued in the engines for a slot) r waits for
+    running requests to finish first, which the drain time already prices; the queued prompt tokens
+    then only say where the earlier requests of the burst went, and balancing them instead of the work
+    cost four equal A100s a median 3.4 % of throughput on ShareGPT at rate ∞ (seeds 1-6; docs/prefix.md,
+    "Stop 43"). At the prefix benchmark's stored rates no batch fills on every peer, so those tables
+    decide exactly as without this rule."""
+    return bool((requests_in_flight >= max_num_seqs).all())
+
+
 def peer_pick(lat: FloatArray, chosen: int) -> int:
     """The candidate with the smallest predicted latency ``lat`` (the first such in candidate order), or
     ``chosen`` unless one is strictly below its latency. Used only where :func:`all_peers` holds."""

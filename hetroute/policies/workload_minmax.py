@@ -37,7 +37,8 @@ same engine on the same hardware as far as the router knows, the smallest predic
 instead of the min-max, see :mod:`.peers` and docs/prefix.md), ``peer_prefill_weight`` /
 ``peer_queue_weight`` (default 1 / 0, 6 / 1.5 in ``balanced_minmax``: among peers r's own prefill counts
 F_p times instead of κ and the wait behind the prompts already queued 1 + X times,
-:func:`~.peers.peer_latency_s`), ``seed``.
+:func:`~.peers.peer_latency_s`, or once while every peer's batch is full, :func:`~.peers.slots_taken`),
+``seed``.
 
 With live learning the latency parameters come from the snapshot (``latency_params``), not from the
 static :class:`BackendModels` resolved at construction.
@@ -69,7 +70,7 @@ from hetroute.policies.minmax_scalar import (
     choose_scalar,
     output_bound,
 )
-from hetroute.policies.peers import PeerMemo, peer_latency_s, peer_pick
+from hetroute.policies.peers import PeerMemo, peer_latency_s, peer_pick, slots_taken
 from hetroute.types import BoolArray, ClusterSnapshot, FloatArray, IntArray, RequestFeatures, RoutingDecision
 
 KvSignal = Literal["ledger", "paper", "engine", "max"]
@@ -394,12 +395,17 @@ class MinMaxPolicy:
                     cached,
                     uncached_tokens=uncached,
                 )
-            if queue is None and self.peer_queue_weight != 0.0:  # no queue term in the floor itself
+            queue_weight = self.peer_queue_weight
+            if queue_weight != 0.0 and slots_taken(
+                snapshot.requests_in_flight[candidates], self.models.max_num_seqs[candidates]
+            ):
+                queue_weight = 0.0  # every batch full: r waits for the work ahead (peers.slots_taken)
+            if queue is None and queue_weight != 0.0:  # no queue term in the floor itself
                 queue = self.models.prefill_queue_s(
                     candidates, snapshot.prefill_pending_tokens[candidates], snapshot.latency_params
                 )
             lat = peer_latency_s(
-                lat, own_prefill, self.ttft_weight, self.peer_prefill_weight, queue, self.peer_queue_weight
+                lat, own_prefill, self.ttft_weight, self.peer_prefill_weight, queue, queue_weight
             )
             minmax_k, k = k, peer_pick(lat, k)
             peer_k = k if k != minmax_k else -1

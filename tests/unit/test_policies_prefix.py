@@ -345,3 +345,30 @@ def test_between_peers_peer_queue_weight_counts_the_wait_ahead_more_times() -> N
     )
     with pytest.raises(ConfigError, match="peer_queue_weight"):
         policy("balanced_minmax", twins, peer_queue_weight=-1.0)
+
+
+def test_among_peers_whose_batches_are_all_full_the_queued_prompts_count_once() -> None:
+    """X prices the wait behind the queued prompts, which r shares once it is in the batch. With every
+    peer's batch full (in flight ≥ max_num_seqs: a burst) r first waits for the work ahead, and X counts
+    for nothing (``peers.slots_taken``). The fleet of the test above: X = 1.5 sends r to b; with both
+    batches full r stays on a, as with X = 0, in both paths; with a free slot on either, X counts again."""
+    twins = (backend("a", profile(FAST, 400_000)), backend("b", profile(FAST, 400_000)))
+    saved = (FAST.p1 + FAST.p3) * 2000
+    excess = 2.5 * saved / FAST.p1
+    waits = policy("balanced_minmax", twins, peer_prefill_weight=3.0, peer_queue_weight=1.5)
+    no_x = policy("balanced_minmax", twins, peer_prefill_weight=3.0, peer_queue_weight=0.0)
+    seqs = int(waits.models.max_num_seqs[0])
+
+    def seen(in_flight: list[int]) -> ClusterSnapshot:
+        pending = [40_000.0 + excess, 40_000.0]
+        return with_cache(snap(twins, in_flight=in_flight, prefill_pending=pending), [2000.0, 0.0])
+
+    full = seen([seqs, seqs])
+    decision = waits.choose(prefixed(), full, BOTH)
+    assert decision.index == 0
+    assert decision.reason == no_x.choose(prefixed(), full, BOTH).reason
+    assert waits.choose_vectorised(prefixed(), full, BOTH).reason == decision.reason
+    for free in ([seqs - 1, seqs], [seqs, seqs - 1]):
+        decision = waits.choose(prefixed(), seen(free), BOTH)
+        assert decision.index == 1, free
+        assert waits.choose_vectorised(prefixed(), seen(free), BOTH).reason == decision.reason
