@@ -86,25 +86,24 @@ def route_us(n: int, decisions: int, known: bool = True) -> dict[str, np.ndarray
     for r in routers.values():
         for f in timed[:200]:
             r.release(r.route(f))
-    out = {key: np.empty(len(timed), dtype=np.float64) for key in ("decide_off", "decide_on", "off", "on")}
-    blocks = [range(k, min(k + BLOCK, len(timed))) for k in range(0, len(timed), BLOCK)]
-    for j, block in enumerate(blocks):
-        for prefix in (False, True) if j % 2 == 0 else (True, False):
-            router, into = routers[prefix], out["decide_on" if prefix else "decide_off"]
-            for k in block:
-                f = timed[k]
-                t0 = time.perf_counter_ns()
-                router.decide(f)
-                into[k] = (time.perf_counter_ns() - t0) / 1e3
-    for j, block in enumerate(blocks):
-        for prefix in (False, True) if j % 2 == 0 else (True, False):
-            router, into = routers[prefix], out["on" if prefix else "off"]
-            for k in block:
-                f = timed[k]
-                t0 = time.perf_counter_ns()
-                ticket = router.route(f)
-                router.release(ticket)
-                into[k] = (time.perf_counter_ns() - t0) / 1e3
+
+    def decide(router: Router, f: RequestFeatures) -> None:
+        router.decide(f)
+
+    def route_release(router: Router, f: RequestFeatures) -> None:
+        router.release(router.route(f))
+
+    out: dict[str, np.ndarray] = {}
+    for label, step in (("decide_", decide), ("", route_release)):
+        times = {p: np.empty(len(timed), dtype=np.float64) for p in routers}
+        for j, start in enumerate(range(0, len(timed), BLOCK)):
+            for prefix in (False, True) if j % 2 == 0 else (True, False):
+                router, into = routers[prefix], times[prefix]
+                for k in range(start, min(start + BLOCK, len(timed))):
+                    t0 = time.perf_counter_ns()
+                    step(router, timed[k])
+                    into[k] = (time.perf_counter_ns() - t0) / 1e3
+        out[label + "off"], out[label + "on"] = times[False], times[True]
     for p, r in routers.items():
         for t in held[p]:
             r.release(t)
