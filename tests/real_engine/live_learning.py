@@ -16,7 +16,6 @@ engine's timings scatter and it rises, and no learner of this form can do better
 from __future__ import annotations
 
 import asyncio
-import gc
 import random
 import statistics
 import time
@@ -27,7 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from hetroute.app import LEARNER, build_app, start_app
 from hetroute.config import config_from_dict
-from tests.real_engine.tiny_vllm import SERVED
+from tests.real_engine.tiny_vllm import SERVED, frozen_heap
 
 
 async def measure(url: str, requests: int, after: int, seed: int) -> dict[str, Any]:
@@ -45,40 +44,16 @@ async def measure(url: str, requests: int, after: int, seed: int) -> dict[str, A
     # The gateway here shares the test process, which in a full suite run holds every earlier test's
     # objects; a full garbage collection then walks all of them amid the requests being timed. A
     # served gateway has its own small heap: freeze what exists now so that collections skip it.
-    t0 = time.perf_counter()
-    gc.collect()
-    gc_collect_s = time.perf_counter() - t0
-    gc.freeze()
-    app = build_app(cfg, registry=CollectorRegistry())
-    runner, port = await start_app(app)
-    learner = app[LEARNER]
-    rng = random.Random(seed)
-    started = time.perf_counter()
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-
-            async def one() -> int:
-                out = rng.randint(16, 96)
-                body = {
-                    "model": SERVED,
-                    "prompt": "hello world " * rng.randint(20, 300),
-                    "max_tokens": out,
-                    "min_tokens": out,
-                    "ignore_eos": True,
-                    "stream": rng.random() < 0.5,
-                }
-                async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
-                    await resp.read()
-                    return resp.status
-
-            sent, statuses = 0, []
-            while sent < requests:
-                wave = min(rng.choice((1, 2, 4, 8)), requests - sent)
-                statuses += await asyncio.gather(*(one() for _ in range(wave)))
-                sent += wave
-    finally:
-        await runner.cleanup()
-        gc.unfreeze()
+    with frozen_heap() as gc_collect_s:
+        app = build_app(cfg, registry=CollectorRegistry())
+        runner, port = await start_app(app)
+        learner = app[LEARNER]
+        rng = random.Random(seed)
+        started = time.perf_counter()
+        try:
+            statuses = await _send(f"http://127.0.0.1:{port}/v1/completions", requests, rng)
+        finally:
+            await runner.cleanup()
     errors = learner.recent_e2e_errors(0)
     later = errors[-(requests - after) :]
     hindsight = learner.hindsight_e2e_errors(0, len(later))
@@ -97,3 +72,29 @@ async def measure(url: str, requests: int, after: int, seed: int) -> dict[str, A
         "wall_s": round(time.perf_counter() - started, 1),
         "gc_collect_s": round(gc_collect_s, 4),
     }
+
+
+async def _send(url: str, requests: int, rng: random.Random) -> list[int]:
+    """The module docstring's requests, in waves of 1, 2, 4 or 8; their HTTP statuses."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+
+        async def one() -> int:
+            out = rng.randint(16, 96)
+            body = {
+                "model": SERVED,
+                "prompt": "hello world " * rng.randint(20, 300),
+                "max_tokens": out,
+                "min_tokens": out,
+                "ignore_eos": True,
+                "stream": rng.random() < 0.5,
+            }
+            async with session.post(url, json=body) as resp:
+                await resp.read()
+                return resp.status
+
+        sent, statuses = 0, []
+        while sent < requests:
+            wave = min(rng.choice((1, 2, 4, 8)), requests - sent)
+            statuses += await asyncio.gather(*(one() for _ in range(wave)))
+            sent += wave
+    return statuses
