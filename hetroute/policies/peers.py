@@ -108,8 +108,8 @@ def slots_taken(requests_in_flight: IntArray, max_num_seqs: FloatArray) -> bool:
     running requests to finish first, which the drain time already prices; the queued prompt tokens
     then only say where the earlier requests of the burst went, and balancing them instead of the work
     cost four equal A100s a median 3.4 % of throughput on ShareGPT at rate ∞ (seeds 1-6; docs/prefix.md,
-    "Stop 43"). At the prefix benchmark's stored rates no batch fills on every peer, so those tables
-    decide exactly as without this rule."""
+    "Stop 41", its "Rate ∞" bullet, fixed at stop 43). At the prefix benchmark's stored rates no batch
+    fills on every peer, so those tables decide exactly as without this rule."""
     return bool((requests_in_flight >= max_num_seqs).all())
 
 
