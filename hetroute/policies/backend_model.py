@@ -419,10 +419,7 @@ def uncached_tokens(input_tokens: float, cached_tokens: FloatArray) -> FloatArra
 
 def _uncached(input_tokens: float, cached_tokens: FloatArray | None) -> FloatArray | float:
     """Prompt tokens left to prefill: ``I − cached`` (≥ 0), or ``I`` when nothing is cached."""
-    if cached_tokens is None:
-        return input_tokens
-    out: FloatArray = np.maximum(input_tokens - cached_tokens, 0.0)
-    return out
+    return input_tokens if cached_tokens is None else uncached_tokens(input_tokens, cached_tokens)
 
 
 def describe_backend_models(
