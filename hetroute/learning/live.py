@@ -68,6 +68,9 @@ PEER_KINDS = frozenset({"profile", "roofline"})
 """Prior kinds that say two backends are the same hardware when their priors are equal (a neutral
 default says nothing about the hardware, so equal neutral priors alone do not make peers: see
 :meth:`LiveModels._pool_nothing_known`)."""
+PUBLISHED_KEPT = 256
+"""Published models kept with their times, so that a request's out-of-sample error is judged against
+the model published when it was dispatched (``recent_e2e_errors``)."""
 _ERROR_EWMA = 0.05
 _LIVE_REL_STDERR = 0.5
 
@@ -180,6 +183,9 @@ class LiveModels:
         """What each backend published before its first fit (its own model until then)."""
         params.flags.writeable = False
         self.params: FloatArray = params
+        self._published_at: list[float] = [-math.inf]
+        self._published: list[FloatArray] = [params]
+        """The last published models (at most ``2 * PUBLISHED_KEPT``) and when each was published."""
         self._queued: list[Observation] = []
         self._refit_cursor = 0
         self.samples: FloatArray = self._samples()
@@ -223,6 +229,7 @@ class LiveModels:
         self.names = tuple(names)
         params.flags.writeable = False
         self.params = params
+        self._published_at, self._published = [-math.inf], [params]  # another backend in the slot
         self.samples = self._samples()
 
     # ------------------------------------------------------------ the request path
@@ -247,21 +254,33 @@ class LiveModels:
             return
         queued, self._queued = self._queued, []
         params, caps, seqs = self.params.tolist(), self._caps.tolist(), self._max_seqs.tolist()
+        at, published = self._published_at, self._published
+        as_lists: dict[int, list[list[float]]] = {}
         for obs in queued:
             i = obs.backend_index
-            self._take(obs, params[i], caps[i], seqs[i])
+            # the model published when the request was dispatched: what routing priced it with
+            k = max(bisect.bisect_right(at, obs.finished_at_s - obs.e2e_s) - 1, 0)
+            rows = as_lists.get(k)
+            if rows is None:
+                rows = as_lists[k] = published[k].tolist()
+            self._take(obs, rows[i], params[i], caps[i], seqs[i])
 
-    def _take(self, obs: Observation, params: list[float], cap: float, seqs: float) -> None:
-        """One observation on the model ``params`` (plain floats): its out-of-sample error first, then
-        the drift check."""
+    def _take(
+        self, obs: Observation, dispatched: list[float], params: list[float], cap: float, seqs: float
+    ) -> None:
+        """One observation: its out-of-sample error under ``dispatched``, the model published when it
+        was dispatched, then the drift check against ``params``, the model published now (plain
+        floats)."""
         b = self._b[obs.backend_index]
-        predicted = predict_e2e_s(params, obs, cap, seqs)
-        if obs.e2e_s > 0 and predicted > 0:
-            err = abs(predicted / obs.e2e_s - 1.0)
+        at_dispatch = predict_e2e_s(dispatched, obs, cap, seqs)
+        if obs.e2e_s > 0 and at_dispatch > 0:
+            err = abs(at_dispatch / obs.e2e_s - 1.0)
             b.errors.append(err)
             b.error_ewma = (
                 err if math.isnan(b.error_ewma) else b.error_ewma + _ERROR_EWMA * (err - b.error_ewma)
             )
+        predicted = at_dispatch if dispatched is params else predict_e2e_s(params, obs, cap, seqs)
+        if obs.e2e_s > 0 and predicted > 0:
             # Drift is judged on the decode speed when it was seen (queueing does not blur it), else e2e,
             # and only against a model fitted on enough requests (not the prior while it is learned).
             decode_s = obs.decode_s
@@ -361,6 +380,10 @@ class LiveModels:
         if changed:
             params.flags.writeable = False
             self.params = params
+            self._published_at.append(now_s)
+            self._published.append(params)
+            if len(self._published) > 2 * PUBLISHED_KEPT:
+                del self._published_at[:-PUBLISHED_KEPT], self._published[:-PUBLISHED_KEPT]
         self.samples = self._samples()
         return changed
 
@@ -600,8 +623,10 @@ class LiveModels:
         return tuple(self._b[i].drift_times_s)
 
     def recent_e2e_errors(self, i: int) -> tuple[float, ...]:
-        """|predicted / observed e2e − 1| of backend ``i``'s last requests, each predicted before the
-        model was fitted on it (oldest first, at most ``ERROR_WINDOW``)."""
+        """|predicted / observed e2e − 1| of backend ``i``'s last requests, each predicted by the model
+        published when it was dispatched, which routing priced it with and which was not fitted on it
+        (oldest first, at most ``ERROR_WINDOW``). A request older than the ``PUBLISHED_KEPT`` models
+        kept is judged on the oldest kept."""
         self._take_queued()
         return tuple(self._b[i].errors)
 
@@ -610,22 +635,42 @@ class LiveModels:
         model form fitted to those observations themselves, in hindsight and with equal weights (no
         decay): the spread no model of this form predicts away, mostly the engine's own noise. A
         measurement's reference for :meth:`recent_e2e_errors` (docs/learning.md); never used to route."""
-        self._take_queued()
-        b = self._b[i]
-        judged = list(b.observations)[-last:]
+        params = self.hindsight_params(i, last)
         cap, seqs = float(self._caps[i]), float(self._max_seqs[i])
-        fit = fit_backend(
-            judged,
-            b.prior.params,
-            now_s=0.0,
-            capacity_tokens=cap,
-            max_num_seqs=seqs,
-            settings=FitSettings(half_life_s=math.inf),
-        )
-        params = list(fit.params)
+        judged = list(self._b[i].observations)[-last:]
         return tuple(
             abs(predict_e2e_s(params, obs, cap, seqs) / obs.e2e_s - 1.0) for obs in judged if obs.e2e_s > 0
         )
+
+    def hindsight_shift(self, i: int, last: int) -> float:
+        """Median of log(observed / predicted e2e) over backend ``i``'s observations before its last
+        ``last``, predicted by the hindsight model of those last (:meth:`hindsight_params`): how much
+        slower (> 0) or faster (< 0) the engine ran before them than while they ran (NaN: none before
+        them). A measurement's check that the engine kept its speed; never used to route."""
+        params = self.hindsight_params(i, last)
+        cap, seqs = float(self._caps[i]), float(self._max_seqs[i])
+        earlier = list(self._b[i].observations)[:-last]
+        ratios = [
+            math.log(obs.e2e_s / predicted)
+            for obs in earlier
+            if obs.e2e_s > 0 and (predicted := predict_e2e_s(params, obs, cap, seqs)) > 0
+        ]
+        return statistics.median(ratios) if ratios else math.nan
+
+    def hindsight_params(self, i: int, last: int) -> list[float]:
+        """p1..p8 of the model form fitted with equal weights to backend ``i``'s last ``last``
+        observations (:meth:`hindsight_e2e_errors`); never used to route."""
+        self._take_queued()
+        b = self._b[i]
+        fit = fit_backend(
+            list(b.observations)[-last:],
+            b.prior.params,
+            now_s=0.0,
+            capacity_tokens=float(self._caps[i]),
+            max_num_seqs=float(self._max_seqs[i]),
+            settings=FitSettings(half_life_s=math.inf),
+        )
+        return list(fit.params)
 
     def observed_total(self, i: int) -> int:
         self._take_queued()

@@ -10,12 +10,16 @@ predicted by the live model before it saw that request (``LiveModels.recent_e2e_
 Next to it, ``hindsight_median_e2e_error``: the same requests' median error under the same model form
 fitted to them in hindsight (``LiveModels.hindsight_e2e_errors``), the engine's own noise as this
 model form sees it. On a quiet machine it is a few per cent; when other jobs share the machine the
-engine's timings scatter and it rises, and no learner of this form can do better.
+engine's timings scatter and it rises, and no learner of this form can do better. And
+``speed_shift``: the median log-ratio of the earlier requests' e2e to what that hindsight model
+predicts for them (``LiveModels.hindsight_shift``), i.e. how far the engine's speed moved between the
+requests the learner learned from and those it is judged on (``MAX_SPEED_SHIFT``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import statistics
 import time
@@ -34,9 +38,33 @@ MAX_EXCESS_OVER_HINDSIGHT = 0.03
 """When the engine's own noise puts even the hindsight fit of the same model form on the judged requests
 near 15 % (other jobs on this 2-core machine: measured 11.9 % and 13.6 % beside a learner's 12.3 % and
 14.3 %, docs/learning.md), the learner is judged by what it adds to that floor: at most 3 points."""
+MAX_SPEED_SHIFT = math.log(1.2)
+"""A run whose engine ran more than 1.2× slower or faster, in median, before the judged requests than
+while they ran (``speed_shift``: the hindsight model of the judged requests applied to the earlier
+ones) did not hold its speed: this 2-core machine's vLLM-CPU shifted by 0.7-1.5× for 20-60 s at a time
+on 2026-11-28 (docs/learning.md, "What the test judges"), which a learner that weighs 30 s of requests
+lags by design. Such a run does not measure what the learner predicts on a steady engine."""
 MAX_HINDSIGHT_ERROR = 0.25
 """The model form itself must explain the real engine: the hindsight fit within 25 % in median (a few
 per cent on a quiet machine), so a wrong form cannot pass by raising the floor it is judged against."""
+
+
+MAX_ATTEMPTS = 3
+"""The test measures again, on the same server with a fresh gateway, after a run whose engine did not
+hold its speed (``steady``), at most this many runs in all. A steady run decides at once; when none
+was steady, the run with the smallest shift decides."""
+
+
+def target(result: dict[str, Any]) -> float:
+    """The bar a run's ``median_e2e_error_after`` must stay under: 15 %, or the hindsight fit's + 3
+    points where the engine's noise put that above 12 %."""
+    floor = float(result["hindsight_median_e2e_error"])
+    return max(MAX_E2E_MEDIAN_ERROR, floor + MAX_EXCESS_OVER_HINDSIGHT)
+
+
+def steady(result: dict[str, Any]) -> bool:
+    """Whether the engine held its speed across the run (``MAX_SPEED_SHIFT``)."""
+    return abs(float(result["speed_shift"])) <= MAX_SPEED_SHIFT
 
 
 async def measure(url: str, requests: int, after: int, seed: int) -> dict[str, Any]:
@@ -65,6 +93,7 @@ async def measure(url: str, requests: int, after: int, seed: int) -> dict[str, A
     errors = learner.recent_e2e_errors(0)
     later = errors[-(requests - after) :]
     hindsight = learner.hindsight_e2e_errors(0, len(later))
+    shift = learner.hindsight_shift(0, len(later))
     fit = learner.fit_of(0)
     return {
         "requests": requests,
@@ -74,6 +103,7 @@ async def measure(url: str, requests: int, after: int, seed: int) -> dict[str, A
         "p90_e2e_error_after": sorted(later)[int(0.9 * (len(later) - 1))],
         "after": after,
         "hindsight_median_e2e_error": statistics.median(hindsight),
+        "speed_shift": shift,
         "learned_params": [float(v) for v in learner.params[0]],
         "fit_tpot_mape": fit.tpot_mape if fit is not None else None,
         "drifts": learner.drifts(0),

@@ -17,6 +17,7 @@ the prefix-cache test (``prefix_check.py``: vLLM's own hit counters against the 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -32,10 +33,11 @@ from profiling.collect import SweepConfig
 from profiling.runner import EXIT_OK, ProfileOptions, profile_backend
 from tests.real_engine import tiny_vllm
 from tests.real_engine.live_learning import (
-    MAX_E2E_MEDIAN_ERROR,
-    MAX_EXCESS_OVER_HINDSIGHT,
+    MAX_ATTEMPTS,
     MAX_HINDSIGHT_ERROR,
     measure,
+    steady,
+    target,
 )
 from tests.real_engine.prefix_check import measure_prefix
 
@@ -147,17 +149,29 @@ LIVE_REQUESTS = 400
 over fresh servers on a 2-core machine; more judged requests narrow that sampling spread."""
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(720)
 async def test_live_learning_predicts_real_vllm_e2e(vllm_server: str) -> None:
     """Nothing known (a house model name, no profile, no GPU label): the gateway learns the real
-    engine from its own traffic and predicts each later request's e2e before seeing it."""
-    with tiny_vllm.off_engine_cores():  # the gateway and client under test leave the engine its core
-        result = await measure(vllm_server, requests=LIVE_REQUESTS, after=200, seed=7)
-    print("REAL vLLM live learning:", json.dumps(result))
-    assert result["ok"] == result["observed"] == LIVE_REQUESTS
-    floor = result["hindsight_median_e2e_error"]
-    assert floor < MAX_HINDSIGHT_ERROR
-    assert result["median_e2e_error_after"] < max(MAX_E2E_MEDIAN_ERROR, floor + MAX_EXCESS_OVER_HINDSIGHT)
+    engine from its own traffic and predicts each later request's e2e, with the model published when
+    it was dispatched. Judged on a run in which the engine held its speed (``live_learning.steady``;
+    another run, up to ``MAX_ATTEMPTS`` in all, when it did not; then the steadiest)."""
+    runs = []
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        with tiny_vllm.off_engine_cores():  # the gateway and client under test leave the engine its core
+            result = await measure(vllm_server, requests=LIVE_REQUESTS, after=200, seed=6 + attempt)
+        print(f"REAL vLLM live learning, run {attempt}:", json.dumps(result))
+        assert result["ok"] == result["observed"] == LIVE_REQUESTS
+        assert result["hindsight_median_e2e_error"] < MAX_HINDSIGHT_ERROR
+        runs.append(result)
+        if steady(result):
+            break
+        print(
+            f"run {attempt}: the engine ran {math.exp(result['speed_shift']):.2f}x its later speed before "
+            "the judged requests; not a steady run"
+        )
+    judged = min(runs, key=lambda r: abs(r["speed_shift"]))  # the steady run, else the steadiest
+    print(f"judged: run {runs.index(judged) + 1} of {len(runs)}")
+    assert judged["median_e2e_error_after"] < target(judged)
 
 
 PREFIX_REQUESTS = 8

@@ -570,3 +570,27 @@ def test_the_hindsight_errors_are_the_noise_the_model_form_cannot_predict_away()
     assert 0.02 < floor < 0.2
     # the learner's own errors were measured before each fit, starting from the ×3 prior
     assert statistics.median(noisy.recent_e2e_errors(0)) > floor
+
+
+def test_each_request_is_judged_on_the_model_published_when_it_was_dispatched() -> None:
+    """A request dispatched before a refit is judged on the model published before it (the prior
+    here), one dispatched after on the refitted model: what routing priced each with."""
+    live = _live()
+    rows = synthetic(tuple(v * 2 for v in TRUE), 100, random.Random(4))  # finishing at 0-9.9 s
+    for obs in rows[:99]:
+        live.observe(obs)
+    before = live.params[0].tolist()
+    live.refit(now_s=20.0)
+    after = live.params[0].tolist()
+    last = rows[99]
+    dispatched_before = last._replace(finished_at_s=20.0 + 0.5 * last.e2e_s)
+    dispatched_after = last._replace(finished_at_s=20.0 + 2.0 * last.e2e_s)
+    live.observe(dispatched_before)
+    live.observe(dispatched_after)
+    judged = live.recent_e2e_errors(0)[-2:]
+    expected = [
+        abs(predict_e2e_s(model, obs, CAP, SEQS) / obs.e2e_s - 1.0)
+        for model, obs in ((before, dispatched_before), (after, dispatched_after))
+    ]
+    assert list(judged) == pytest.approx(expected)
+    assert judged[0] > 0.4 > 0.1 > judged[1]  # the prior is 2× fast; the refit learned the speed
