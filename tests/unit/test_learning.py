@@ -594,3 +594,18 @@ def test_each_request_is_judged_on_the_model_published_when_it_was_dispatched() 
     ]
     assert list(judged) == pytest.approx(expected)
     assert judged[0] > 0.4 > 0.1 > judged[1]  # the prior is 2× fast; the refit learned the speed
+
+
+def test_the_hindsight_shift_is_how_much_slower_the_engine_ran_before_the_judged_requests() -> None:
+    """The hindsight model of the last 200 requests applied to the 200 before them: log 1 when the
+    engine kept its speed, log(1/1.5) when it ran 1.5× faster before."""
+    rng = random.Random(9)
+    steady, shifted = _live(), _live()
+    for obs in synthetic(TRUE, 400, rng, noise=0.0):
+        steady.observe(obs)
+    slow = tuple(v * 1.5 for v in TRUE)
+    for obs in synthetic(TRUE, 200, rng, noise=0.0) + synthetic(slow, 200, rng, start_s=20.0, noise=0.0):
+        shifted.observe(obs)
+    assert abs(steady.hindsight_shift(0, 200)) < 0.02
+    assert shifted.hindsight_shift(0, 200) == pytest.approx(math.log(1 / 1.5), abs=0.03)
+    assert math.isnan(_live().hindsight_shift(0, 200))  # nothing before the judged ones
