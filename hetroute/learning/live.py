@@ -3,8 +3,9 @@
 Owns, per backend, the last ``window`` successful requests (:class:`Observation`), the fit over them
 (``fit.fit_backend``), the out-of-sample e2e error, drift detection and the exploration count.
 
-Contract with the hot path. :meth:`LiveModels.observe` is O(1) apart from one scalar prediction, and
-is the only thing a request does here. :meth:`LiveModels.refit` runs off the request path (a periodic
+Contract with the hot path. :meth:`LiveModels.observe` is O(1) apart from one scalar prediction (two
+when a refit came between the request's dispatch and its end), and is the only thing a request does
+here. :meth:`LiveModels.refit` runs off the request path (a periodic
 task in the gateway, the scrape tick in the simulator) and publishes new read-only arrays by replacing
 them whole, so a snapshot that holds the old arrays never sees a half update. Policies read
 ``params`` (n×8, p1..p8) and ``samples`` through the cluster snapshot.
@@ -255,7 +256,7 @@ class LiveModels:
         queued, self._queued = self._queued, []
         params, caps, seqs = self.params.tolist(), self._caps.tolist(), self._max_seqs.tolist()
         at, published = self._published_at, self._published
-        as_lists: dict[int, list[list[float]]] = {}
+        as_lists: dict[int, list[list[float]]] = {len(published) - 1: params}  # the current one
         for obs in queued:
             i = obs.backend_index
             # the model published when the request was dispatched: what routing priced it with
