@@ -349,7 +349,8 @@ class MinMaxPolicy:
         cached = self._cached(snapshot, candidates)  # once per decision, for both terms
         # I − cached, once for every term that prices r's prefill
         uncached = None if cached is None else uncached_tokens(features.input_tokens, cached)
-        weighted = cached is not None and self.cache_weight != 1.0 and bool((cached > 0.0).any())
+        # cached ≥ 0 (trust · matched, net credit clamped at 0), so nonzero means some credit
+        weighted = cached is not None and self.cache_weight != 1.0 and bool(np.count_nonzero(cached))
         t, u, w, w_saved = self._costs(
             features, snapshot, candidates, cached, saved=weighted, uncached=uncached
         )
@@ -460,7 +461,7 @@ class MinMaxPolicy:
         if unpriced is not None:
             blind = None if unpriced is ALL_UNPRICED else unpriced[candidates]
             if blind is None or bool(blind.any()):
-                net = pending - pending.min()
+                net = pending - pending[pending.argmin()]
                 np.subtract(cached, net, out=net)
                 np.maximum(net, 0.0, out=net)
                 out = net if blind is None else np.where(blind, net, cached)
@@ -468,11 +469,14 @@ class MinMaxPolicy:
             (snapshot.workload[candidates], PREFIX_BALANCE_REL, PREFIX_BALANCE_ABS_S),
             (pending, PREFIX_PENDING_REL, PREFIX_PENDING_ABS_TOKENS),
         ):
+            top = int(values.argmax())
+            if not out[top] > 0.0:
+                continue  # the busiest candidate has no credit to lose (the common case: no sort)
             top_two = np.partition(values, -2)  # the largest last, the next largest before it
             if float(top_two[-1]) > float(top_two[-2]) * (1.0 + rel) + margin:
                 if out is cached:
                     out = cached.copy()
-                out[int(np.argmax(values))] = 0.0
+                out[top] = 0.0
         return out
 
     def _unpriced(self, snapshot: ClusterSnapshot) -> BoolArray | None:

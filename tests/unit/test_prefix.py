@@ -18,7 +18,7 @@ from hetroute.prefix.hashing import (
     text_chunk_hashes,
     token_block_hashes,
 )
-from hetroute.prefix.index import FEW_BITS, PrefixIndex
+from hetroute.prefix.index import FEW_BITS, MASK_ROWS_KEPT, PrefixIndex
 from hetroute.prefix.sessions import SessionTable
 from hetroute.prefix.trust import MIN_PREDICTED_TOKENS, TRUST_FLOOR, CacheTrust
 from hetroute.types import EngineMetrics
@@ -92,8 +92,9 @@ def test_index_matches_the_longest_held_prefix_per_backend() -> None:
 
 
 def test_index_matches_on_many_holders_as_on_few() -> None:
-    """A prefix held by more backends than ``FEW_BITS`` is filled in by unpacking the holders' bit mask:
-    the same answer as one backend at a time, at every depth, on 70 backends (a mask wider than 64 bits)."""
+    """A prefix held by more backends than ``FEW_BITS`` is filled in through the holders' kept row array:
+    the same answer as one backend at a time, at every depth, on 70 backends (a mask wider than 64 bits),
+    when the rows are first built and when they are reused."""
     n = 70
     idx = PrefixIndex([math.nan] * n)
     chain = text_chunk_hashes("c" * ROUTER_CHUNK_CHARS * 8)
@@ -103,8 +104,26 @@ def test_index_matches_on_many_holders_as_on_few() -> None:
         if depth:
             idx.insert(b, chain[:depth], now_s=0.0)
     assert sum(d == 8 for d in depths) > FEW_BITS and sum(d == 3 for d in depths) > FEW_BITS
-    assert idx.matched_chunks(chain, 1.0).tolist() == depths
-    assert idx.matched_chunks(chain[:2], 1.0).tolist() == [min(d, 2) for d in depths]
+    for _ in range(2):  # rows built, then rows kept
+        assert idx.matched_chunks(chain, 1.0).tolist() == depths
+        assert idx.matched_chunks(chain[:2], 1.0).tolist() == [min(d, 2) for d in depths]
+
+
+def test_index_rows_stay_right_past_the_kept_masks_bound() -> None:
+    """More distinct large holder masks than ``MASK_ROWS_KEPT``: the kept rows are dropped and rebuilt,
+    and every lookup still names exactly its holders."""
+    n = 40
+    idx = PrefixIndex([math.nan] * n)
+    rng = random.Random(11)
+    chains = []
+    for k in range(MASK_ROWS_KEPT + 200):
+        chain = text_chunk_hashes(f"{k:08d}" * (ROUTER_CHUNK_CHARS // 8 + 1))[:1]
+        holders = sorted(rng.sample(range(n), FEW_BITS + 1 + k % 20))
+        for b in holders:
+            idx.insert(b, chain, now_s=0.0)
+        chains.append((chain, holders))
+    for chain, holders in chains + chains[:50]:
+        assert idx.matched_chunks(chain, 1.0).tolist() == [1.0 if b in holders else 0.0 for b in range(n)]
 
 
 def test_index_evicts_least_recent_and_a_prompts_tail_before_its_head() -> None:
