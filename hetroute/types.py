@@ -171,12 +171,16 @@ class ClusterSnapshot(NamedTuple):
 
     def prefix_cached_tokens(self, idx: IntArray) -> FloatArray | None:
         """Estimated cached prompt tokens of this decision's request on backends ``idx``
-        (``trust · matched``, docs/prefix.md), or None when nothing is known."""
+        (``trust · matched``, docs/prefix.md), or None when nothing is known. ``idx`` ascending and
+        distinct, as a policy's candidates are (:class:`Policy`)."""
         matched = self.prefix_matched_tokens
         if matched is None:
             return None
         trust = self.prefix_trust
-        out: FloatArray = matched[idx] if trust is None else matched[idx] * trust[idx]
+        if idx.size == matched.size:  # every backend, in order (candidates are sorted and distinct)
+            out: FloatArray = matched if trust is None else matched * trust
+            return out
+        out = matched[idx] if trust is None else matched[idx] * trust[idx]
         return out
 
     @property
@@ -214,8 +218,8 @@ class Policy(Protocol):
     """A routing policy: a pure decision over an immutable snapshot.
 
     ``candidates`` holds the indices (into ``snapshot.backends``) that serve the request's
-    model and API and are available; it is never empty. ``choose`` does no I/O, never reads
-    the clock or the global RNG, and must return one of the candidates.
+    model and API and are available, in ascending order, each once; it is never empty. ``choose``
+    does no I/O, never reads the clock or the global RNG, and must return one of the candidates.
     """
 
     name: str

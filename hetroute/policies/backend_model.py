@@ -314,8 +314,9 @@ class BackendModels:
         b = np.minimum(np.maximum(np.floor(capacity_tokens / per_request), 1.0), seqs)
         p = self.rows(idx, params)
         s = o * i + o * (o + 1.0) / 2.0
+        per_b = p[:, 0] * b
         total = (
-            p[:, 0] * b * iu
+            per_b * iu
             + p[:, 1] * b
             + p[:, 2] * iu
             + p[:, 3]
@@ -327,7 +328,7 @@ class BackendModels:
         out: FloatArray = np.maximum(total, 0.0) / b
         if not saved:
             return out, None
-        saving: FloatArray = (p[:, 0] * b + p[:, 2]) * (i - iu) / b
+        saving: FloatArray = (per_b + p[:, 2]) * (i - iu) / b
         return out, saving
 
     def request_latency_s(
