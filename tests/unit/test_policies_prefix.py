@@ -372,3 +372,23 @@ def test_among_peers_whose_batches_are_all_full_the_queued_prompts_count_once() 
         decision = waits.choose(prefixed(), seen(free), BOTH)
         assert decision.index == 1, free
         assert waits.choose_vectorised(prefixed(), seen(free), BOTH).reason == decision.reason
+
+
+def test_cached_tokens_are_trust_times_matched_for_every_backend_or_a_subset() -> None:
+    """``prefix_cached_tokens`` gives ``trust · matched`` per candidate, whether the candidates are every
+    backend (taken without gathers) or some of them, and None when nothing is matched."""
+    backends = (backend("a", profile(FAST, 400_000)), backend("b", profile(SLOW, 400_000)), backend("c"))
+    s = snap(backends)._replace(
+        prefix_matched_tokens=np.array([640.0, 0.0, 128.0]), prefix_trust=np.array([0.5, 1.0, 0.25])
+    )
+    untrusted = s._replace(prefix_trust=None)
+    for seen, idx, expected in (
+        (s, THREE, [320.0, 0.0, 32.0]),
+        (s, [0, 2], [320.0, 32.0]),
+        (s, [1], [0.0]),
+        (untrusted, THREE, [640.0, 0.0, 128.0]),
+        (untrusted, [2], [128.0]),
+    ):
+        cached = seen.prefix_cached_tokens(np.asarray(idx, dtype=np.int64))
+        assert cached is not None and cached.tolist() == expected
+    assert s._replace(prefix_matched_tokens=None).prefix_cached_tokens(THREE) is None
