@@ -643,14 +643,17 @@ class LiveModels:
             abs(predict_e2e_s(params, obs, cap, seqs) / obs.e2e_s - 1.0) for obs in judged if obs.e2e_s > 0
         )
 
-    def hindsight_shift(self, i: int, last: int) -> float:
+    def hindsight_shift(self, i: int, last: int, before: int | None = None) -> float:
         """Median of log(observed / predicted e2e) over backend ``i``'s observations before its last
-        ``last``, predicted by the hindsight model of those last (:meth:`hindsight_params`): how much
-        slower (> 0) or faster (< 0) the engine ran before them than while they ran (NaN: none before
-        them). A measurement's check that the engine kept its speed; never used to route."""
+        ``last`` (the ``before`` nearest of them, else all), predicted by the hindsight model of those
+        last (:meth:`hindsight_params`): how much slower (> 0) or faster (< 0) the engine ran before
+        them than while they ran (NaN: none before them). A measurement's check that the engine kept
+        its speed; never used to route."""
         params = self.hindsight_params(i, last)
         cap, seqs = float(self._caps[i]), float(self._max_seqs[i])
         earlier = list(self._b[i].observations)[:-last]
+        if before is not None:
+            earlier = earlier[len(earlier) - before :] if before > 0 else []
         ratios = [
             math.log(obs.e2e_s / predicted)
             for obs in earlier

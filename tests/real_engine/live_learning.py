@@ -13,7 +13,10 @@ model form sees it. On a quiet machine it is a few per cent; when other jobs sha
 engine's timings scatter and it rises, and no learner of this form can do better. And
 ``speed_shift``: the median log-ratio of the earlier requests' e2e to what that hindsight model
 predicts for them (``LiveModels.hindsight_shift``), i.e. how far the engine's speed moved between the
-requests the learner learned from and those it is judged on (``MAX_SPEED_SHIFT``).
+requests the learner learned from and those it is judged on (``MAX_SPEED_SHIFT``); and
+``judged_shift``, the same within the judged requests (the hindsight model of their later half applied
+to their earlier half): a movement there costs a learner that sees only the past what the hindsight
+fit does not pay (docs/learning.md). It is reported, not judged.
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ async def measure(url: str, requests: int, after: int, seed: int) -> dict[str, A
     later = errors[-(requests - after) :]
     hindsight = learner.hindsight_e2e_errors(0, len(later))
     shift = learner.hindsight_shift(0, len(later))
+    half = len(later) // 2
+    judged_shift = learner.hindsight_shift(0, half, before=len(later) - half)
     fit = learner.fit_of(0)
     return {
         "requests": requests,
@@ -104,6 +109,7 @@ async def measure(url: str, requests: int, after: int, seed: int) -> dict[str, A
         "after": after,
         "hindsight_median_e2e_error": statistics.median(hindsight),
         "speed_shift": shift,
+        "judged_shift": judged_shift,
         "learned_params": [float(v) for v in learner.params[0]],
         "fit_tpot_mape": fit.tpot_mape if fit is not None else None,
         "drifts": learner.drifts(0),

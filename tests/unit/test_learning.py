@@ -609,3 +609,22 @@ def test_the_hindsight_shift_is_how_much_slower_the_engine_ran_before_the_judged
     assert abs(steady.hindsight_shift(0, 200)) < 0.02
     assert shifted.hindsight_shift(0, 200) == pytest.approx(math.log(1 / 1.5), abs=0.03)
     assert math.isnan(_live().hindsight_shift(0, 200))  # nothing before the judged ones
+
+
+def test_the_hindsight_shift_over_the_nearest_requests_before_sees_a_change_inside_a_window() -> None:
+    """``before`` limits the comparison to the requests just before the last ``last``: an engine 1.5×
+    slower for the 100 requests before the last 100 shows over those 100, and not in the median over
+    all 300 before (200 of them at the judged speed)."""
+    rng = random.Random(10)
+    live = _live()
+    slow = tuple(v * 1.5 for v in TRUE)
+    rows = (
+        synthetic(TRUE, 200, rng, noise=0.0)
+        + synthetic(slow, 100, rng, start_s=20.0, noise=0.0)
+        + synthetic(TRUE, 100, rng, start_s=30.0, noise=0.0)
+    )
+    for obs in rows:
+        live.observe(obs)
+    assert live.hindsight_shift(0, 100, before=100) == pytest.approx(math.log(1.5), abs=0.03)
+    assert abs(live.hindsight_shift(0, 100)) < 0.03
+    assert math.isnan(live.hindsight_shift(0, 100, before=0))
