@@ -653,7 +653,7 @@ class LiveModels:
         cap, seqs = float(self._caps[i]), float(self._max_seqs[i])
         earlier = list(self._b[i].observations)[:-last]
         if before is not None:
-            earlier = earlier[len(earlier) - before :] if before > 0 else []
+            earlier = earlier[-before:] if before > 0 else []
         ratios = [
             math.log(obs.e2e_s / predicted)
             for obs in earlier

@@ -235,5 +235,6 @@ class PrefixIndex:
         """Approximate bytes held by the index's containers (dicts and their int keys and values)."""
         total = sys.getsizeof(self._holders) + sum(sys.getsizeof(d) for d in self._lru)
         # Keys are shared ints (~32 B each), masks and timestamps ~28-32 B each.
+        # kept rows (_fill): their data plus ~112 B of ndarray header each
         rows = sys.getsizeof(self._rows) + sum(r.nbytes + 112 for r in self._rows.values())
         return total + 32 * len(self._holders) * 2 + 24 * self._count + rows
