@@ -67,6 +67,12 @@ is full, :func:`~hetroute.policies.peers.slots_taken`, since stop 43)
 (:func:`~hetroute.policies.peers.peer_latency_s`), ties keeping the min-max's choice (docs/prefix.md,
 "``peer_latency``: equal backends decide by the request's own latency", and "Stop 41" for the two
 weights). ``false`` gives the min-max on such fleets too.
+
+``fresh_prompt_tokens`` (N, default 7,168 since stop 46; 0 turns it off) and ``fresh_near_ratio`` (ρ,
+default 3): a request whose prompt head is cached somewhere but with at least N of its prompt tokens
+cached on no candidate is *fresh*; outside a fleet of peers, its κ term is 0 on the backends that
+prefill the whole prompt within ρ times the fastest one's time, and κ times what a slower backend
+prefills beyond the fastest one elsewhere (:mod:`.fresh`; docs/prefix.md, "Fresh prompts").
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from hetroute.policies.base import PolicyContext
+from hetroute.policies.fresh import FRESH_NEAR_RATIO, FRESH_PROMPT_TOKENS
 from hetroute.policies.workload_minmax import MinMaxParams, MinMaxPolicy, build_minmax
 
 CACHE_WEIGHT = 3.0
@@ -99,5 +106,7 @@ def from_config(params: Mapping[str, object], ctx: PolicyContext) -> MinMaxPolic
         peer_latency=True,
         peer_prefill_weight=PEER_PREFILL_WEIGHT,
         peer_queue_weight=PEER_QUEUE_WEIGHT,
+        fresh_prompt_tokens=FRESH_PROMPT_TOKENS,
+        fresh_near_ratio=FRESH_NEAR_RATIO,
     )
     return build_minmax("balanced_minmax", params, ctx, defaults, overflow_only=True)

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hetroute.policies.backend_model import BackendModels
+from hetroute.policies.fresh import fresh_kappa_term, is_fresh
 from hetroute.policies.peers import PeerMemo
 from hetroute.types import ClusterSnapshot, IntArray, RequestFeatures, RoutingDecision
 
@@ -115,6 +116,12 @@ class MinMaxSettings(Protocol):
     @property
     def peers(self) -> PeerMemo: ...
 
+    @property
+    def fresh_prompt_tokens(self) -> int: ...
+
+    @property
+    def fresh_near_ratio(self) -> float: ...
+
 
 def _peer_pick(lat: list[float], chosen: int) -> int:
     """:func:`~hetroute.policies.peers.peer_pick` over a list (the same comparisons, the same index)."""
@@ -194,8 +201,14 @@ def choose_scalar(
     # peer_latency: whether every candidate is a peer (memoised), asked first so that only a fleet of
     # peers has its peer latencies priced
     peered = policy.peer_latency and policy.latency_floor and policy.peers(policy.models, snap, candidates)
+    fresh = (
+        policy.latency_floor
+        and not peered
+        and cached is not None
+        and is_fresh(features.input_tokens, max(cached), policy.fresh_prompt_tokens)
+    )
     t_list, u_list, w_list, lat_list, saved_list, peer_list = _costs(
-        policy, features, snap, cand, cached, n_req, peered
+        policy, features, snap, cand, cached, n_req, peered, fresh
     )
     own = [loads[c] + w for c, w in zip(cand, w_list, strict=True)]
     rank = own
@@ -384,12 +397,13 @@ def _costs(
     cached: list[float] | None,
     n_req: list[int],
     peered: bool = False,
+    fresh: bool = False,
 ) -> tuple[list[float], list[float], list[float], list[float], list[float] | None, list[float]]:
     """Per candidate: T_r^s, kvusage, the cost w = T·e^(θ·kvusage), (with the latency floor) the
     request's own predicted latency, (with a ``cache_weight`` ≠ 1 and some cache credit) the part of
     w the cached tokens save, and (``peered``: every candidate a peer, with the floor) the latency that
     decides among peers (:func:`~hetroute.policies.peers.peer_latency_s`), in the array path's operation order
-    (Eq. 5-6, method.md §5)."""
+    (Eq. 5-6, method.md §5); ``fresh``: r is a fresh prompt (:mod:`~hetroute.policies.fresh`)."""
     models, lists = policy.models, policy.lists
     caps_snap: list[float] = lists.get("caps", snap.kv_capacity_tokens)
     fallback: list[float] = lists.get("fallback", models.fallback_capacity_tokens)
@@ -424,6 +438,14 @@ def _costs(
         cached is not None and policy.cache_weight != 1.0 and not unit_time and any(x > 0.0 for x in cached)
     )
     latency_floor = policy.latency_floor
+    kappa = policy.ttft_weight
+    full: list[float] = []  # T_prefill(1, I) per candidate, for a fresh prompt's κ term
+    fastest = 0.0
+    if fresh and kappa > 0.0:
+        for row in rows:
+            v = row[0] * il + row[1] + row[2] * il + row[3]
+            full.append(0.0 if v < 0.0 else v)
+        fastest = min(full)
     saved_t: list[float] = []
     t_list: list[float] = []
     u_list: list[float] = []
@@ -466,8 +488,13 @@ def _costs(
                 queue = (0.0 if p1 < 0.0 else p1) * (0.0 if waiting < 0.0 else waiting)
                 if prefill_queue:
                     lat = lat + queue
-            if policy.ttft_weight > 0.0:
-                lat = lat + policy.ttft_weight * (0.0 if prefill < 0.0 else prefill)
+            if kappa > 0.0:
+                own_prefill = 0.0 if prefill < 0.0 else prefill
+                if full:
+                    ratio = policy.fresh_near_ratio
+                    lat = lat + fresh_kappa_term(kappa, own_prefill, full[k], fastest, ratio)
+                else:
+                    lat = lat + kappa * own_prefill
             lat_list.append(lat)
             if peers_priced:
                 peer = lat - peer_weight * (0.0 if prefill < 0.0 else prefill) if peer_weight != 0.0 else lat

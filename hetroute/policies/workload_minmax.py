@@ -38,7 +38,9 @@ instead of the min-max, see :mod:`.peers` and docs/prefix.md), ``peer_prefill_we
 ``peer_queue_weight`` (default 1 / 0, 6 / 1.5 in ``balanced_minmax``: among peers r's own prefill counts
 F_p times instead of κ and the wait behind the prompts already queued 1 + X times,
 :func:`~.peers.peer_latency_s`, or once while every peer's batch is full, :func:`~.peers.slots_taken`),
-``seed``.
+``fresh_prompt_tokens`` / ``fresh_near_ratio`` (default 0 = off / 3, 7,168 / 3 in ``balanced_minmax``:
+outside a fleet of peers, the κ term of a prompt with that many tokens cached on no candidate, see
+:mod:`.fresh`), ``seed``.
 
 With live learning the latency parameters come from the snapshot (``latency_params``), not from the
 static :class:`BackendModels` resolved at construction.
@@ -58,6 +60,7 @@ import numpy as np
 from hetroute.fields import UNIT, NonNegativeInt, PositiveInt, Range
 from hetroute.policies.backend_model import BackendModels, uncached_tokens
 from hetroute.policies.base import PolicyContext, read_params, seeded_rng
+from hetroute.policies.fresh import FRESH_NEAR_RATIO, fresh_kappa_terms, is_fresh
 from hetroute.policies.minmax_scalar import MAX_EXPONENT as MAX_EXPONENT
 from hetroute.policies.minmax_scalar import (
     PREFIX_BALANCE_ABS_S,
@@ -106,6 +109,8 @@ class MinMaxParams:
     peer_latency: bool = False
     peer_prefill_weight: Annotated[float, Range(minimum=0, maximum=1000)] = 1.0
     peer_queue_weight: Annotated[float, Range(minimum=0, maximum=1000)] = 0.0
+    fresh_prompt_tokens: NonNegativeInt = 0
+    fresh_near_ratio: Annotated[float, Range(minimum=1, maximum=1000)] = FRESH_NEAR_RATIO
     seed: int | None = None
 
 
@@ -119,6 +124,8 @@ TIME_ONLY_PARAMS = (
     "peer_latency",
     "peer_prefill_weight",
     "peer_queue_weight",
+    "fresh_prompt_tokens",
+    "fresh_near_ratio",
 )
 
 
@@ -194,8 +201,12 @@ class MinMaxPolicy:
         peer_latency: bool = False,
         peer_prefill_weight: float = 1.0,
         peer_queue_weight: float = 0.0,
+        fresh_prompt_tokens: int = 0,
+        fresh_near_ratio: float = FRESH_NEAR_RATIO,
     ) -> None:
         self.name = name
+        self.fresh_prompt_tokens = fresh_prompt_tokens
+        self.fresh_near_ratio = fresh_near_ratio
         self.peer_latency = peer_latency
         self.peer_prefill_weight = peer_prefill_weight
         self.peer_queue_weight = peer_queue_weight
@@ -288,11 +299,13 @@ class MinMaxPolicy:
         candidates: IntArray,
         cached: FloatArray | None | _Unset = UNSET,
         uncached: FloatArray | None = None,
+        *,
+        fresh: bool = False,
     ) -> tuple[FloatArray, FloatArray | None, FloatArray | None]:
         """:meth:`latency`, r's own prefill on each candidate, T_prefill(1, I − cached), where the κ
         term computed it (else None), and the wait behind the prompts already queued, p1 · P_s, where
         ``prefill_queue`` computed it (else None), for :func:`~.peers.peer_latency_s`; ``uncached`` as
-        in :meth:`_costs`."""
+        in :meth:`_costs`; ``fresh``: r is a fresh prompt, its κ term :func:`~.fresh.fresh_kappa_terms`."""
         n = snapshot.requests_in_flight[candidates].astype(np.float64)
         context = (
             snapshot.input_tokens_in_flight[candidates] + snapshot.generated_tokens_in_flight[candidates]
@@ -323,7 +336,11 @@ class MinMaxPolicy:
             own_prefill = self.models.prefill_s(
                 candidates, features.input_tokens, params, cached, uncached_tokens=uncached
             )
-            out = out + self.ttft_weight * own_prefill
+            if fresh:
+                full = self.models.prefill_s(candidates, features.input_tokens, params)
+                out = out + fresh_kappa_terms(self.ttft_weight, own_prefill, full, self.fresh_near_ratio)
+            else:
+                out = out + self.ttft_weight * own_prefill
         return out, own_prefill, queue
 
     def choose(
@@ -366,8 +383,18 @@ class MinMaxPolicy:
         lat: FloatArray | None = None
         own_prefill: FloatArray | None = None
         queue: FloatArray | None = None
+        # peer_latency: whether every candidate is a peer (memoised), asked before the floor, whose κ
+        # term a fresh prompt changes only among non-peers (.fresh)
+        peered = self.peer_latency and self.latency_floor and self.peers(self.models, snapshot, candidates)
         if self.latency_floor:
-            lat, own_prefill, queue = self._floor(features, snapshot, candidates, cached, uncached)
+            fresh = (
+                not peered
+                and cached is not None
+                and is_fresh(features.input_tokens, float(cached.max()), self.fresh_prompt_tokens)
+            )
+            lat, own_prefill, queue = self._floor(
+                features, snapshot, candidates, cached, uncached, fresh=fresh
+            )
             own = np.maximum(own, lat)
             rank = own if w_saved is None else np.maximum(rank, lat)
         if loads.size >= 2:
@@ -387,7 +414,7 @@ class MinMaxPolicy:
                 tied = tied[waiting <= float(waiting.min())]
         k = int(tied[self._rng.randrange(tied.size)]) if tied.size > 1 else int(tied[0])
         peer_k = -1  # where peer_latency moved r, if it did (the reason then says so)
-        if self.peer_latency and lat is not None and self.peers(self.models, snapshot, candidates):
+        if peered and lat is not None:
             if own_prefill is None and self.ttft_weight != self.peer_prefill_weight:
                 own_prefill = self.models.prefill_s(
                     candidates,
@@ -577,6 +604,8 @@ def build_minmax(
         peer_latency=p.peer_latency,
         peer_prefill_weight=p.peer_prefill_weight,
         peer_queue_weight=p.peer_queue_weight,
+        fresh_prompt_tokens=p.fresh_prompt_tokens,
+        fresh_near_ratio=p.fresh_near_ratio,
     )
 
 

@@ -127,6 +127,8 @@ def _policy_kwargs(rng: random.Random) -> dict[str, Any]:
         "cache_weight": rng.choice([1.0, 2.0, rng.uniform(1.0, 10.0)]),
         "session_slack": rng.choice([0.0, 0.1, 1.0]),
         "peer_latency": rng.random() < 0.5,
+        "fresh_prompt_tokens": rng.choice([0, 1, 500, 7168]),
+        "fresh_near_ratio": rng.choice([1.0, 3.0, rng.uniform(1.0, 10.0)]),
     }
 
 

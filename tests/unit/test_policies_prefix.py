@@ -9,6 +9,7 @@ import pytest
 
 from hetroute.clock import ManualClock
 from hetroute.errors import ConfigError
+from hetroute.latency import LatencyParams
 from hetroute.policies import PolicyContext, build_policy
 from hetroute.policies.workload_minmax import MinMaxPolicy
 from hetroute.prefix.hashing import ROUTER_CHUNK_CHARS, text_chunk_hashes
@@ -392,3 +393,68 @@ def test_cached_tokens_are_trust_times_matched_for_every_backend_or_a_subset() -
         cached = seen.prefix_cached_tokens(np.asarray(idx, dtype=np.int64))
         assert cached is not None and cached.tolist() == expected
     assert s._replace(prefix_matched_tokens=None).prefix_cached_tokens(THREE) is None
+
+
+MID = LatencyParams(*(2 * p for p in FAST.as_tuple()))
+LONG_PROMPT = "q" * (ROUTER_CHUNK_CHARS * 160)  # 160 chunks: 10,240 tokens at 64 tokens a chunk
+LONG_HASHES = text_chunk_hashes(LONG_PROMPT)
+
+
+def long_request(rid: str = "r") -> RequestFeatures:
+    return req(10_240, 50, rid)._replace(prefix_hashes=LONG_HASHES, prefix_chunk_tokens=64.0)
+
+
+def test_a_fresh_long_prompt_is_placed_by_drain_time_among_backends_near_the_fastest() -> None:
+    """``fresh_prompt_tokens`` (N = 7,168) and ``fresh_near_ratio`` (ρ = 3): a 10,240-token prompt whose
+    head (512 tokens) only is cached somewhere leaves ≥ N tokens cached nowhere, so its κ term is 0 on
+    the backends prefilling it within 3 × the fastest one's time (fast, and mid at 2 ×) and κ times the
+    excess over the fastest on the 4 × slower one. With κ on every backend the busy fast one takes it
+    (κ · 0.31 s of its own prefill outweighs 2 s of drain time); as a fresh prompt the idle mid one
+    does. A slower backend keeps its penalty: with fast and mid both busy, r stays off the idle slow
+    one, which it would join if its κ term were dropped as well."""
+    fleet = (
+        backend("fast", profile(FAST, 800_000)),
+        backend("mid", profile(MID, 800_000)),
+        backend("slow", profile(SLOW, 800_000)),
+    )
+    default = policy("balanced_minmax", fleet)
+    off = policy("balanced_minmax", fleet, fresh_prompt_tokens=0)
+    no_slow_penalty = policy("balanced_minmax", fleet, fresh_near_ratio=10.0)
+    head = [512.0, 0.0, 0.0]
+
+    def seen(workload: list[float], matched: list[float] = head) -> ClusterSnapshot:
+        return with_cache(snap(fleet, workload=workload), matched)
+
+    fast_busy = seen([2.0, 0.0, 0.0])
+    assert off.choose(long_request(), fast_busy, THREE).index == 0
+    decision = default.choose(long_request(), fast_busy, THREE)
+    assert decision.index == 1
+    assert default.choose_vectorised(long_request(), fast_busy, THREE).reason == decision.reason
+    # most of the prompt cached on fast: not fresh (10,240 − 6,144 < N), κ keeps it there
+    assert default.choose(long_request(), seen([2.0, 0.0, 0.0], [6144.0, 0.0, 0.0]), THREE).index == 0
+    # the head cached nowhere: the decision without the prefix term, as for any unshared prompt
+    bare = snap(fleet, workload=[2.0, 0.0, 0.0])
+    assert (
+        default.choose(long_request(), bare, THREE).index
+        == off.choose(long_request(), bare, THREE).index
+        == 0
+    )
+    both_busy = seen([3.0, 3.0, 0.0])
+    assert default.choose(long_request(), both_busy, THREE).index == 0
+    assert no_slow_penalty.choose(long_request(), both_busy, THREE).index == 2
+
+
+def test_among_peers_a_fresh_prompt_decides_as_any_other() -> None:
+    """Among peers κ plays no part (``peer_latency`` prices r's own prefill F_p times instead), so the
+    fresh-prompt rule leaves their decisions as they were."""
+    peers = tuple(backend(n, profile(FAST, 800_000)) for n in "abc")
+    default = policy("balanced_minmax", peers)
+    off = policy("balanced_minmax", peers, fresh_prompt_tokens=0)
+    rng = np.random.default_rng(7)
+    for k in range(50):
+        s = with_cache(
+            snap(peers, workload=list(rng.uniform(0, 3, 3)), prefill_pending=list(rng.uniform(0, 3e4, 3))),
+            [512.0, 0.0, 0.0],
+        )
+        a, b = default.choose(long_request(f"r{k}"), s, THREE), off.choose(long_request(f"r{k}"), s, THREE)
+        assert (a.index, a.reason, a.workload_cost) == (b.index, b.reason, b.workload_cost)
