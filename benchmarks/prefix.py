@@ -162,11 +162,12 @@ def planned_cells(args: argparse.Namespace) -> list[Cell]:
 
 def pinned_rates(args: argparse.Namespace, cells: Sequence[Cell]) -> dict[Cell, float] | None:
     """``--rates-from``: each cell's arrival rate (requests/s) stored in that results file, or None
-    without the option; every planned cell must be there."""
+    without the option; every planned cell must be there (rows without a ``rate``, rebuilt from an
+    older run's log, are skipped)."""
     if args.rates_from is None:
         return None
     rows = json.loads(args.rates_from.read_text(encoding="utf-8"))["rows"]
-    pinned = {(r["fleet"], r["workload"], float(r["load"])): float(r["rate"]) for r in rows}
+    pinned = {(r["fleet"], r["workload"], float(r["load"])): float(r["rate"]) for r in rows if "rate" in r}
     missing = [c for c in cells if c not in pinned]
     if missing:
         raise SystemExit(f"--rates-from {args.rates_from}: no rate stored for {missing}")
