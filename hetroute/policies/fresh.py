@@ -42,6 +42,12 @@ FRESH_NEAR_RATIO = 3.0
 near it (the benchmark's H100 and A100s, 2.3 ×, are; its V100 TP1 beside a V100 TP4, 3.5 ×, is not)."""
 
 
+def may_be_fresh(input_tokens: float, threshold: float) -> bool:
+    """Whether r can be fresh at all (``threshold`` > 0 and a prompt at least that long: cached_s ≥ 0),
+    asked before the maximum over the candidates that :func:`is_fresh` needs."""
+    return threshold > 0.0 and input_tokens >= threshold
+
+
 def is_fresh(input_tokens: float, most_cached: float, threshold: float) -> bool:
     """Whether r is fresh: ``threshold`` > 0 and at least that many of its ``input_tokens`` are cached
     on no candidate (``most_cached`` = max_s cached_s)."""

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hetroute.policies.backend_model import BackendModels
-from hetroute.policies.fresh import fresh_kappa_term, is_fresh
+from hetroute.policies.fresh import fresh_kappa_term, is_fresh, may_be_fresh
 from hetroute.policies.peers import PeerMemo
 from hetroute.types import ClusterSnapshot, IntArray, RequestFeatures, RoutingDecision
 
@@ -205,6 +205,7 @@ def choose_scalar(
         policy.latency_floor
         and not peered
         and cached is not None
+        and may_be_fresh(features.input_tokens, policy.fresh_prompt_tokens)
         and is_fresh(features.input_tokens, max(cached), policy.fresh_prompt_tokens)
     )
     t_list, u_list, w_list, lat_list, saved_list, peer_list = _costs(

@@ -60,7 +60,7 @@ import numpy as np
 from hetroute.fields import UNIT, NonNegativeInt, PositiveInt, Range
 from hetroute.policies.backend_model import BackendModels, uncached_tokens
 from hetroute.policies.base import PolicyContext, read_params, seeded_rng
-from hetroute.policies.fresh import FRESH_NEAR_RATIO, fresh_kappa_terms, is_fresh
+from hetroute.policies.fresh import FRESH_NEAR_RATIO, fresh_kappa_terms, is_fresh, may_be_fresh
 from hetroute.policies.minmax_scalar import MAX_EXPONENT as MAX_EXPONENT
 from hetroute.policies.minmax_scalar import (
     PREFIX_BALANCE_ABS_S,
@@ -390,6 +390,7 @@ class MinMaxPolicy:
             fresh = (
                 not peered
                 and cached is not None
+                and may_be_fresh(features.input_tokens, self.fresh_prompt_tokens)
                 and is_fresh(features.input_tokens, float(cached.max()), self.fresh_prompt_tokens)
             )
             lat, own_prefill, queue = self._floor(
