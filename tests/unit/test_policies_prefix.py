@@ -442,6 +442,13 @@ def test_a_fresh_long_prompt_is_placed_by_drain_time_among_backends_near_the_fas
     both_busy = seen([3.0, 3.0, 0.0])
     assert default.choose(long_request(), both_busy, THREE).index == 0
     assert no_slow_penalty.choose(long_request(), both_busy, THREE).index == 2
+    assert (default.fresh_prompt_tokens, default.fresh_near_ratio) == (7168, 3.0)
+    assert policy("workload_minmax", fleet).fresh_prompt_tokens == 0  # off outside balanced_minmax
+    for bad in ({"fresh_near_ratio": 0.5}, {"fresh_prompt_tokens": -1}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            policy("balanced_minmax", fleet, **bad)
+    with pytest.raises(ConfigError, match="fresh_prompt_tokens"):
+        policy("memory_minmax", fleet, fresh_prompt_tokens=100)  # no prefill term to change
 
 
 def test_among_peers_a_fresh_prompt_decides_as_any_other() -> None:
