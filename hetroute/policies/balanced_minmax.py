@@ -73,6 +73,8 @@ default 3): a request whose prompt head is cached somewhere but with at least N 
 cached on no candidate is *fresh*; outside a fleet of peers, its κ term is 0 on the backends that
 prefill the whole prompt within ρ times the fastest one's time, and κ times what a slower backend
 prefills beyond the fastest one elsewhere (:mod:`.fresh`; docs/prefix.md, "Fresh prompts").
+``fresh_queue_weight`` (X_f, default 0) counts the prompts queued ahead of a fresh prompt 1 + X_f times:
+measured, not the default (docs/prefix.md).
 """
 
 from __future__ import annotations

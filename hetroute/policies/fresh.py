@@ -15,7 +15,10 @@ For a fresh request the floor's κ term, κ · T_prefill(1, U_r^s) (``balanced_m
 with T* = min_j T_prefill,j(1, I_r), the fastest candidate's prefill of the whole prompt, and
 ρ = ``fresh_near_ratio``. Among backends within ρ of the fastest, the drain time (and the cache weight)
 places r instead of its own prefill; a slower backend keeps a penalty of κ times what it prefills
-beyond the fastest one, so a fresh prompt does not spill onto it any more than before.
+beyond the fastest one, so a fresh prompt does not spill onto it any more than before. Optionally
+(``fresh_queue_weight`` X_f > 0; 0 in ``balanced_minmax``) the floor's queue term, p1_s · P_s, counts
+1 + X_f times for a fresh prompt: in the simulator X_f = 1.5 shortened the tails but through the
+gateway it cost hits (docs/prefix.md).
 
 Why: κ (8) is there to break near-ties between backends in favour of the one that prefills r sooner,
 but on a long prompt κ · T_prefill is seconds, so every long new prompt went to the fastest backend.

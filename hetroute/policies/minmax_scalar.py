@@ -122,6 +122,9 @@ class MinMaxSettings(Protocol):
     @property
     def fresh_near_ratio(self) -> float: ...
 
+    @property
+    def fresh_queue_weight(self) -> float: ...
+
 
 def _peer_pick(lat: list[float], chosen: int) -> int:
     """:func:`~hetroute.policies.peers.peer_pick` over a list (the same comparisons, the same index)."""
@@ -447,6 +450,8 @@ def _costs(
             v = row[0] * il + row[1] + row[2] * il + row[3]
             full.append(0.0 if v < 0.0 else v)
         fastest = min(full)
+    # the queue ahead of a fresh prompt counts 1 + X_f times (with the floor's queue term)
+    fresh_queue = policy.fresh_queue_weight if fresh and prefill_queue else 0.0
     saved_t: list[float] = []
     t_list: list[float] = []
     u_list: list[float] = []
@@ -496,6 +501,8 @@ def _costs(
                     lat = lat + fresh_kappa_term(kappa, own_prefill, full[k], fastest, ratio)
                 else:
                     lat = lat + kappa * own_prefill
+            if fresh_queue != 0.0:
+                lat = lat + fresh_queue * queue
             lat_list.append(lat)
             if peers_priced:
                 peer = lat - peer_weight * (0.0 if prefill < 0.0 else prefill) if peer_weight != 0.0 else lat

@@ -38,8 +38,9 @@ instead of the min-max, see :mod:`.peers` and docs/prefix.md), ``peer_prefill_we
 ``peer_queue_weight`` (default 1 / 0, 6 / 1.5 in ``balanced_minmax``: among peers r's own prefill counts
 F_p times instead of κ and the wait behind the prompts already queued 1 + X times,
 :func:`~.peers.peer_latency_s`, or once while every peer's batch is full, :func:`~.peers.slots_taken`),
-``fresh_prompt_tokens`` / ``fresh_near_ratio`` (default 0 = off / 3, 7,168 / 3 in ``balanced_minmax``:
-outside a fleet of peers, the κ term of a prompt with that many tokens cached on no candidate, see
+``fresh_prompt_tokens`` / ``fresh_near_ratio`` / ``fresh_queue_weight`` (default 0 = off / 3 / 0,
+7,168 / 3 / 0 in ``balanced_minmax``: outside a fleet of peers, the κ term of a prompt with that many
+tokens cached on no candidate, and the prompts queued ahead of it counted 1 + X_f times, see
 :mod:`.fresh`), ``seed``.
 
 With live learning the latency parameters come from the snapshot (``latency_params``), not from the
@@ -111,6 +112,7 @@ class MinMaxParams:
     peer_queue_weight: Annotated[float, Range(minimum=0, maximum=1000)] = 0.0
     fresh_prompt_tokens: NonNegativeInt = 0
     fresh_near_ratio: Annotated[float, Range(minimum=1, maximum=1000)] = FRESH_NEAR_RATIO
+    fresh_queue_weight: Annotated[float, Range(minimum=0, maximum=1000)] = 0.0
     seed: int | None = None
 
 
@@ -126,6 +128,7 @@ TIME_ONLY_PARAMS = (
     "peer_queue_weight",
     "fresh_prompt_tokens",
     "fresh_near_ratio",
+    "fresh_queue_weight",
 )
 
 
@@ -203,8 +206,10 @@ class MinMaxPolicy:
         peer_queue_weight: float = 0.0,
         fresh_prompt_tokens: int = 0,
         fresh_near_ratio: float = FRESH_NEAR_RATIO,
+        fresh_queue_weight: float = 0.0,
     ) -> None:
         self.name = name
+        self.fresh_queue_weight = fresh_queue_weight
         self.fresh_prompt_tokens = fresh_prompt_tokens
         self.fresh_near_ratio = fresh_near_ratio
         self.peer_latency = peer_latency
@@ -305,7 +310,8 @@ class MinMaxPolicy:
         """:meth:`latency`, r's own prefill on each candidate, T_prefill(1, I − cached), where the κ
         term computed it (else None), and the wait behind the prompts already queued, p1 · P_s, where
         ``prefill_queue`` computed it (else None), for :func:`~.peers.peer_latency_s`; ``uncached`` as
-        in :meth:`_costs`; ``fresh``: r is a fresh prompt, its κ term :func:`~.fresh.fresh_kappa_terms`."""
+        in :meth:`_costs`; ``fresh``: r is a fresh prompt, its κ term :func:`~.fresh.fresh_kappa_terms`
+        and its queue term counted 1 + ``fresh_queue_weight`` times."""
         n = snapshot.requests_in_flight[candidates].astype(np.float64)
         context = (
             snapshot.input_tokens_in_flight[candidates] + snapshot.generated_tokens_in_flight[candidates]
@@ -341,6 +347,8 @@ class MinMaxPolicy:
                 out = out + fresh_kappa_terms(self.ttft_weight, own_prefill, full, self.fresh_near_ratio)
             else:
                 out = out + self.ttft_weight * own_prefill
+        if fresh and queue is not None and self.fresh_queue_weight != 0.0:
+            out = out + self.fresh_queue_weight * queue  # the queue ahead of a fresh prompt: 1 + X_f times
         return out, own_prefill, queue
 
     def choose(
@@ -607,6 +615,7 @@ def build_minmax(
         peer_queue_weight=p.peer_queue_weight,
         fresh_prompt_tokens=p.fresh_prompt_tokens,
         fresh_near_ratio=p.fresh_near_ratio,
+        fresh_queue_weight=p.fresh_queue_weight,
     )
 
 

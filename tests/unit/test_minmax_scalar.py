@@ -129,6 +129,7 @@ def _policy_kwargs(rng: random.Random) -> dict[str, Any]:
         "peer_latency": rng.random() < 0.5,
         "fresh_prompt_tokens": rng.choice([0, 1, 500, 7168]),
         "fresh_near_ratio": rng.choice([1.0, 3.0, rng.uniform(1.0, 10.0)]),
+        "fresh_queue_weight": rng.choice([0.0, 1.5, rng.uniform(0.0, 5.0)]),
     }
 
 
