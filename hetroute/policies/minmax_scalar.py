@@ -445,6 +445,7 @@ def _costs(
     kappa = policy.ttft_weight
     full: list[float] = []  # T_prefill(1, I) per candidate, for a fresh prompt's κ term
     fastest = 0.0
+    ratio = policy.fresh_near_ratio
     if fresh and kappa > 0.0:
         for row in rows:
             v = row[0] * il + row[1] + row[2] * il + row[3]
@@ -497,7 +498,6 @@ def _costs(
             if kappa > 0.0:
                 own_prefill = 0.0 if prefill < 0.0 else prefill
                 if full:
-                    ratio = policy.fresh_near_ratio
                     lat = lat + fresh_kappa_term(kappa, own_prefill, full[k], fastest, ratio)
                 else:
                     lat = lat + kappa * own_prefill
