@@ -45,6 +45,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 TRACE = HERE.parent.parent / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
 FLEETS = ("paper-a", "mixed", "homogeneous")
+"""The fleets a table runs unless ``--fleets`` says otherwise; :func:`known_fleets` are accepted."""
 WORKLOADS = ("chat", "system-prompts", "rag", "mooncake", "no-sharing")
 POLICIES: dict[str, tuple[str, dict[str, object]]] = {
     "default": ("balanced_minmax", {}),
@@ -124,14 +125,33 @@ Cell = tuple[str, str, float]
 """(fleet, workload, load): one cell of the table."""
 
 
+def known_fleets() -> tuple[str, ...]:
+    """Every fleet a cell may name: the homogeneous one and each built-in scenario (``paper-b`` too,
+    which the default tables do not run)."""
+    from hetroute.sim.scenarios import SCENARIOS
+
+    return ("homogeneous", *SCENARIOS)
+
+
+def parse_fleets(text: str) -> list[str]:
+    """``--fleets``: names of :func:`known_fleets` separated by commas."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known_fleets()]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown fleet {unknown or text!r} (known: {', '.join(known_fleets())})"
+        )
+    return names
+
+
 def parse_cells(text: str) -> list[Cell]:
     """``--cells``: ``fleet:workload:load`` items separated by commas, e.g. ``mixed:mooncake:0.7``."""
     cells: list[Cell] = []
     for item in text.split(","):
         parts = item.strip().split(":")
-        if len(parts) != 3 or parts[0] not in FLEETS or parts[1] not in WORKLOADS:
+        if len(parts) != 3 or parts[0] not in known_fleets() or parts[1] not in WORKLOADS:
             raise argparse.ArgumentTypeError(
-                f"{item!r} is not fleet:workload:load (fleets {', '.join(FLEETS)}; "
+                f"{item!r} is not fleet:workload:load (fleets {', '.join(known_fleets())}; "
                 f"workloads {', '.join(WORKLOADS)})"
             )
         try:
@@ -331,7 +351,12 @@ def markdown(summary: list[dict[str, Any]], title: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=("sim", "gateway"), default="sim")
-    p.add_argument("--fleets", type=lambda s: s.split(","), default=list(FLEETS))
+    p.add_argument(
+        "--fleets",
+        type=parse_fleets,
+        default=list(FLEETS),
+        help=f"fleets separated by commas (default {','.join(FLEETS)}; also paper-b)",
+    )
     p.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS))
     p.add_argument("--requests", type=int, default=2000, help="requests per run (gateway: use ~400)")
     p.add_argument("--speedup", type=float, default=4.0, help="gateway: emulated time runs this much faster")
