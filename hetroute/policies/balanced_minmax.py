@@ -73,8 +73,8 @@ default 3): a request whose prompt head is cached somewhere but with at least N 
 cached on no candidate is *fresh*; outside a fleet of peers, its κ term is 0 on the backends that
 prefill the whole prompt within ρ times the fastest one's time, and κ times what a slower backend
 prefills beyond the fastest one elsewhere (:mod:`.fresh`; docs/prefix.md, "Fresh prompts").
-``fresh_queue_weight`` (X_f, default 0) counts the prompts queued ahead of a fresh prompt 1 + X_f times:
-measured, not the default (docs/prefix.md).
+``fresh_queue_weight`` (X_f, default 1.5 since stop 47; 0 before) counts the prompts queued ahead of a
+fresh prompt 1 + X_f times in its floor, as among peers (docs/prefix.md, "Fresh prompts").
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from hetroute.policies.base import PolicyContext
-from hetroute.policies.fresh import FRESH_NEAR_RATIO, FRESH_PROMPT_TOKENS
+from hetroute.policies.fresh import FRESH_NEAR_RATIO, FRESH_PROMPT_TOKENS, FRESH_QUEUE_WEIGHT
 from hetroute.policies.workload_minmax import MinMaxParams, MinMaxPolicy, build_minmax
 
 CACHE_WEIGHT = 3.0
@@ -110,5 +110,6 @@ def from_config(params: Mapping[str, object], ctx: PolicyContext) -> MinMaxPolic
         peer_queue_weight=PEER_QUEUE_WEIGHT,
         fresh_prompt_tokens=FRESH_PROMPT_TOKENS,
         fresh_near_ratio=FRESH_NEAR_RATIO,
+        fresh_queue_weight=FRESH_QUEUE_WEIGHT,
     )
     return build_minmax("balanced_minmax", params, ctx, defaults, overflow_only=True)

@@ -15,10 +15,11 @@ For a fresh request the floor's κ term, κ · T_prefill(1, U_r^s) (``balanced_m
 with T* = min_j T_prefill,j(1, I_r), the fastest candidate's prefill of the whole prompt, and
 ρ = ``fresh_near_ratio``. Among backends within ρ of the fastest, the drain time (and the cache weight)
 places r instead of its own prefill; a slower backend keeps a penalty of κ times what it prefills
-beyond the fastest one, so a fresh prompt does not spill onto it any more than before. Optionally
-(``fresh_queue_weight`` X_f > 0; 0 in ``balanced_minmax``) the floor's queue term, p1_s · P_s, counts
-1 + X_f times for a fresh prompt: in the simulator X_f = 1.5 shortened the tails but through the
-gateway it cost hits (docs/prefix.md).
+beyond the fastest one, so a fresh prompt does not spill onto it any more than before. The floor's
+queue term, p1_s · P_s, counts 1 + X_f times for a fresh prompt (``fresh_queue_weight``; X_f = 1.5 in
+``balanced_minmax`` since stop 47, as among peers): placed by drain time, long new prompts otherwise
+stacked behind each other on one backend of a fleet of near-equal ones (paper-b: p99 TTFT ×1.6 of the
+default without the prefix term on the Mooncake trace, docs/prefix.md).
 
 Why: κ (8) is there to break near-ties between backends in favour of the one that prefills r sooner,
 but on a long prompt κ · T_prefill is seconds, so every long new prompt went to the fastest backend.
@@ -40,6 +41,10 @@ FRESH_PROMPT_TOKENS = 7168
 """``balanced_minmax``'s N: prompts with at least this many tokens cached on no candidate are fresh.
 Chosen on the simulator benchmark (docs/prefix.md, "Fresh prompts"): 4,096 and 5,120 also caught RAG
 prompts whose documents were new and cost them hits; 6,144 to 7,168 did not."""
+FRESH_QUEUE_WEIGHT = 1.5
+"""``balanced_minmax``'s X_f: the prompts queued ahead of a fresh prompt count 1 + 1.5 times in its floor,
+as the wait behind queued prompts does among peers (``PEER_QUEUE_WEIGHT``, docs/prefix.md "Stop 41").
+Adopted at stop 47 on paper-b, a fleet the rule was not tuned on (docs/prefix.md, "Fresh prompts")."""
 FRESH_NEAR_RATIO = 3.0
 """``balanced_minmax``'s ρ: backends prefilling the whole prompt within 3 × the fastest one's time are
 near it (the benchmark's H100 and A100s, 2.3 ×, are; its V100 TP1 beside a V100 TP4, 3.5 ×, is not)."""

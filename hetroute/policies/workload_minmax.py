@@ -39,7 +39,7 @@ instead of the min-max, see :mod:`.peers` and docs/prefix.md), ``peer_prefill_we
 F_p times instead of κ and the wait behind the prompts already queued 1 + X times,
 :func:`~.peers.peer_latency_s`, or once while every peer's batch is full, :func:`~.peers.slots_taken`),
 ``fresh_prompt_tokens`` / ``fresh_near_ratio`` / ``fresh_queue_weight`` (default 0 = off / 3 / 0,
-7,168 / 3 / 0 in ``balanced_minmax``: outside a fleet of peers, the κ term of a prompt with that many
+7,168 / 3 / 1.5 in ``balanced_minmax``: outside a fleet of peers, the κ term of a prompt with that many
 tokens cached on no candidate, and the prompts queued ahead of it counted 1 + X_f times, see
 :mod:`.fresh`), ``seed``.
 

@@ -443,7 +443,7 @@ def test_a_fresh_long_prompt_is_placed_by_drain_time_among_backends_near_the_fas
     assert default.choose(long_request(), both_busy, THREE).index == 0
     assert no_slow_penalty.choose(long_request(), both_busy, THREE).index == 2
     knobs = (default.fresh_prompt_tokens, default.fresh_near_ratio, default.fresh_queue_weight)
-    assert knobs == (7168, 3.0, 0.0)
+    assert knobs == (7168, 3.0, 1.5)
     assert policy("workload_minmax", fleet).fresh_prompt_tokens == 0  # off outside balanced_minmax
     for bad in ({"fresh_near_ratio": 0.5}, {"fresh_prompt_tokens": -1}, {"fresh_queue_weight": -1.0}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
@@ -469,15 +469,16 @@ def test_among_peers_a_fresh_prompt_decides_as_any_other() -> None:
 
 
 def test_fresh_queue_weight_counts_the_prompts_queued_ahead_of_a_fresh_prompt_more_times() -> None:
-    """``fresh_queue_weight`` (X_f, default 0): a fresh prompt's floor counts the prompts already waiting
-    for a first token 1 + X_f times. With 80,000 prompt tokens waiting on the fast backend (0.8 s at
-    p1) and none on the 2 × slower one, the default (once) still sends r to the fast one, whose drain
-    time is lower; X_f = 1.5 to the other. (The floor's queue term is on, as by default.)"""
+    """``fresh_queue_weight`` (X_f, 1.5 in ``balanced_minmax``): a fresh prompt's floor counts the prompts
+    already waiting for a first token 1 + X_f times. With 80,000 prompt tokens waiting on the fast
+    backend (0.8 s at p1) and none on the 2 × slower one, counted once (X_f = 0) they still leave r on
+    the fast one, whose drain time is lower; the default's X_f = 1.5 sends it to the other. (The floor's
+    queue term is on, as by default.)"""
     pair = (backend("fast", profile(FAST, 800_000)), backend("mid", profile(MID, 800_000)))
     seen = with_cache(snap(pair, workload=[1.0, 1.6], prefill_pending=[80_000.0, 0.0]), [512.0, 0.0])
-    default = policy("balanced_minmax", pair)
-    weighted = policy("balanced_minmax", pair, fresh_queue_weight=1.5)
-    assert default.choose(long_request(), seen, BOTH).index == 0
+    once = policy("balanced_minmax", pair, fresh_queue_weight=0.0)
+    weighted = policy("balanced_minmax", pair)
+    assert once.choose(long_request(), seen, BOTH).index == 0
     decision = weighted.choose(long_request(), seen, BOTH)
     assert decision.index == 1
     assert weighted.choose_vectorised(long_request(), seen, BOTH).reason == decision.reason
