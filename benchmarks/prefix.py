@@ -137,23 +137,23 @@ def known_fleets() -> tuple[str, ...]:
 
 def parse_fleets(text: str) -> list[str]:
     """``--fleets``: names of :func:`known_fleets` separated by commas."""
+    known = known_fleets()
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known_fleets()]
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown fleet {unknown or text!r} (known: {', '.join(known_fleets())})"
-        )
+        raise argparse.ArgumentTypeError(f"unknown fleet {unknown or text!r} (known: {', '.join(known)})")
     return names
 
 
 def parse_cells(text: str) -> list[Cell]:
     """``--cells``: ``fleet:workload:load`` items separated by commas, e.g. ``mixed:mooncake:0.7``."""
+    fleets = known_fleets()
     cells: list[Cell] = []
     for item in text.split(","):
         parts = item.strip().split(":")
-        if len(parts) != 3 or parts[0] not in known_fleets() or parts[1] not in WORKLOADS:
+        if len(parts) != 3 or parts[0] not in fleets or parts[1] not in WORKLOADS:
             raise argparse.ArgumentTypeError(
-                f"{item!r} is not fleet:workload:load (fleets {', '.join(known_fleets())}; "
+                f"{item!r} is not fleet:workload:load (fleets {', '.join(fleets)}; "
                 f"workloads {', '.join(WORKLOADS)})"
             )
         try:
