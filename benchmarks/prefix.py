@@ -56,14 +56,16 @@ POLICIES: dict[str, tuple[str, dict[str, object]]] = {
     "default-peer-latency": ("balanced_minmax", {"peer_latency": True}),
     "default-no-peer-latency": ("balanced_minmax", {"peer_latency": False}),
     "default-stop40": ("balanced_minmax", {"peer_prefill_weight": 3.0, "peer_queue_weight": 0.0}),
-    "default-stop46": ("balanced_minmax", {"fresh_queue_weight": 0.0}),
+    "default-stop46": ("balanced_minmax", {"fresh_queue_weight": 0.0, "duplicate_weight": 0.0}),
+    "default-stop47": ("balanced_minmax", {"duplicate_weight": 0.0}),
 }
 """``default-peer-latency`` is the default's settings since stop 40 (kept for the stop-39 tables that
 ran it as an option); ``default-no-peer-latency`` is the default as it was until then.
 ``default-stop40`` is the default of stop 40, before its weights among peers changed (r's own prefill
 counted 3 times instead of 6, the wait behind the queued prompts once instead of 2.5 times;
 docs/prefix.md, "Stop 41"). ``default-stop46`` is the default of stop 46, before a fresh prompt's
-floor counted the prompts queued ahead of it 2.5 times instead of once (docs/prefix.md, "Fresh prompts")."""
+floor counted the prompts queued ahead of it 2.5 times instead of once (docs/prefix.md, "Fresh prompts");
+``default-stop47`` the default of stop 47, before the duplicate price (docs/prefix.md, "Duplicates")."""
 TABLE_POLICIES = ("default", "default-no-prefix", "cache_aware", "prefix_scorer", "session_hash")
 """What a table runs unless ``--policies`` says otherwise (the two peer variants only when named)."""
 METRICS = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "engine_hit_rate", "router_hit_estimate")

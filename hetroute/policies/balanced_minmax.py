@@ -75,6 +75,11 @@ prefill the whole prompt within ρ times the fastest one's time, and κ times wh
 prefills beyond the fastest one elsewhere (:mod:`.fresh`; docs/prefix.md, "Fresh prompts").
 ``fresh_queue_weight`` (X_f, default 1.5 since stop 47; 0 before) counts the prompts queued ahead of a
 fresh prompt 1 + X_f times in its floor, as among peers (docs/prefix.md, "Fresh prompts").
+``duplicate_weight`` (κ_d, default 16 since stop 48; 0 turns it off): outside a fleet of peers, for a
+request that is not fresh, the prefill of the prompt tokens that a backend near the fastest holds and
+candidate s lacks counts κ_d more times in s's floor, κ_d · max(p1 + p3, 0) · max(0, m* − cached_s),
+a price for the copy s would cache and the eviction it causes (:mod:`.duplicate`; docs/prefix.md,
+"Duplicates").
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from hetroute.policies.base import PolicyContext
+from hetroute.policies.duplicate import DUPLICATE_WEIGHT
 from hetroute.policies.fresh import FRESH_NEAR_RATIO, FRESH_PROMPT_TOKENS, FRESH_QUEUE_WEIGHT
 from hetroute.policies.workload_minmax import MinMaxParams, MinMaxPolicy, build_minmax
 
@@ -111,5 +117,6 @@ def from_config(params: Mapping[str, object], ctx: PolicyContext) -> MinMaxPolic
         fresh_prompt_tokens=FRESH_PROMPT_TOKENS,
         fresh_near_ratio=FRESH_NEAR_RATIO,
         fresh_queue_weight=FRESH_QUEUE_WEIGHT,
+        duplicate_weight=DUPLICATE_WEIGHT,
     )
     return build_minmax("balanced_minmax", params, ctx, defaults, overflow_only=True)

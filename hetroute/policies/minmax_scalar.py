@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hetroute.policies.backend_model import BackendModels
+from hetroute.policies.duplicate import duplicate_term
 from hetroute.policies.fresh import fresh_kappa_term, is_fresh, may_be_fresh
 from hetroute.policies.peers import PeerMemo
 from hetroute.types import ClusterSnapshot, IntArray, RequestFeatures, RoutingDecision
@@ -124,6 +125,9 @@ class MinMaxSettings(Protocol):
 
     @property
     def fresh_queue_weight(self) -> float: ...
+
+    @property
+    def duplicate_weight(self) -> float: ...
 
 
 def _peer_pick(lat: list[float], chosen: int) -> int:
@@ -446,11 +450,31 @@ def _costs(
     full: list[float] = []  # T_prefill(1, I) per candidate, for a fresh prompt's κ term
     fastest = 0.0
     ratio = policy.fresh_near_ratio
-    if fresh and kappa > 0.0:
+    fresh_terms = fresh and kappa > 0.0
+    # outside peers, the prefill of tokens a backend near the fastest holds counts κ_d more times
+    # (.duplicate): m* the most such a backend holds
+    duplicate = (
+        policy.duplicate_weight
+        if latency_floor and not (peered or fresh) and cached is not None and max(cached) > 0.0
+        else 0.0
+    )
+    if fresh_terms:
         for row in rows:
             v = row[0] * il + row[1] + row[2] * il + row[3]
             full.append(0.0 if v < 0.0 else v)
         fastest = min(full)
+    most = 0.0
+    if duplicate > 0.0:
+        assert cached is not None
+        near_full = []
+        for row in rows:
+            v = (row[0] + row[2]) * il + (row[1] + row[3])
+            near_full.append(0.0 if v < 0.0 else v)
+        bound = ratio * min(near_full)
+        most = max((c for c, f in zip(cached, near_full, strict=True) if f <= bound), default=0.0)
+        most = 0.0 if most < 0.0 else most
+        if most <= 0.0:
+            duplicate = 0.0
     # the queue ahead of a fresh prompt counts 1 + X_f times (with the floor's queue term)
     fresh_queue = policy.fresh_queue_weight if fresh and prefill_queue else 0.0
     saved_t: list[float] = []
@@ -497,12 +521,15 @@ def _costs(
                     lat = lat + queue
             if kappa > 0.0:
                 own_prefill = 0.0 if prefill < 0.0 else prefill
-                if full:
+                if fresh_terms:
                     lat = lat + fresh_kappa_term(kappa, own_prefill, full[k], fastest, ratio)
                 else:
                     lat = lat + kappa * own_prefill
             if fresh_queue != 0.0:
                 lat = lat + fresh_queue * queue
+            if duplicate > 0.0:
+                assert cached is not None
+                lat = lat + duplicate_term(duplicate, p1 + p3, most - cached[k])
             lat_list.append(lat)
             if peers_priced:
                 peer = lat - peer_weight * (0.0 if prefill < 0.0 else prefill) if peer_weight != 0.0 else lat

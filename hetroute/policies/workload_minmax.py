@@ -41,7 +41,9 @@ F_p times instead of κ and the wait behind the prompts already queued 1 + X tim
 ``fresh_prompt_tokens`` / ``fresh_near_ratio`` / ``fresh_queue_weight`` (default 0 = off / 3 / 0,
 7,168 / 3 / 1.5 in ``balanced_minmax``: outside a fleet of peers, the κ term of a prompt with that many
 tokens cached on no candidate, and the prompts queued ahead of it counted 1 + X_f times, see
-:mod:`.fresh`), ``seed``.
+:mod:`.fresh`), ``duplicate_weight`` (default 0 = off, 16 in ``balanced_minmax``: outside a fleet of
+peers, the prefill of what a backend near the fastest holds and s lacks counts κ_d more times in s's
+floor, see :mod:`.duplicate`), ``seed``.
 
 With live learning the latency parameters come from the snapshot (``latency_params``), not from the
 static :class:`BackendModels` resolved at construction.
@@ -61,6 +63,7 @@ import numpy as np
 from hetroute.fields import UNIT, NonNegativeInt, PositiveInt, Range
 from hetroute.policies.backend_model import BackendModels, uncached_tokens
 from hetroute.policies.base import PolicyContext, read_params, seeded_rng
+from hetroute.policies.duplicate import DuplicateSlopes, duplicate_terms, most_held_near
 from hetroute.policies.fresh import FRESH_NEAR_RATIO, fresh_kappa_terms, is_fresh, may_be_fresh
 from hetroute.policies.minmax_scalar import MAX_EXPONENT as MAX_EXPONENT
 from hetroute.policies.minmax_scalar import (
@@ -113,6 +116,7 @@ class MinMaxParams:
     fresh_prompt_tokens: NonNegativeInt = 0
     fresh_near_ratio: Annotated[float, Range(minimum=1, maximum=1000)] = FRESH_NEAR_RATIO
     fresh_queue_weight: Annotated[float, Range(minimum=0, maximum=1000)] = 0.0
+    duplicate_weight: Annotated[float, Range(minimum=0, maximum=1000)] = 0.0
     seed: int | None = None
 
 
@@ -129,6 +133,7 @@ TIME_ONLY_PARAMS = (
     "fresh_prompt_tokens",
     "fresh_near_ratio",
     "fresh_queue_weight",
+    "duplicate_weight",
 )
 
 
@@ -207,8 +212,11 @@ class MinMaxPolicy:
         fresh_prompt_tokens: int = 0,
         fresh_near_ratio: float = FRESH_NEAR_RATIO,
         fresh_queue_weight: float = 0.0,
+        duplicate_weight: float = 0.0,
     ) -> None:
         self.name = name
+        self.duplicate_weight = duplicate_weight
+        self.duplicate_slopes = DuplicateSlopes(duplicate_weight)  # the term's per-backend constants
         self.fresh_queue_weight = fresh_queue_weight
         self.fresh_prompt_tokens = fresh_prompt_tokens
         self.fresh_near_ratio = fresh_near_ratio
@@ -306,12 +314,16 @@ class MinMaxPolicy:
         uncached: FloatArray | None = None,
         *,
         fresh: bool = False,
+        duplicate: bool = False,
     ) -> tuple[FloatArray, FloatArray | None, FloatArray | None]:
         """:meth:`latency`, r's own prefill on each candidate, T_prefill(1, I − cached), where the κ
         term computed it (else None), and the wait behind the prompts already queued, p1 · P_s, where
         ``prefill_queue`` computed it (else None), for :func:`~.peers.peer_latency_s`; ``uncached`` as
         in :meth:`_costs`; ``fresh``: r is a fresh prompt, its κ term :func:`~.fresh.fresh_kappa_terms`
-        and its queue term counted 1 + ``fresh_queue_weight`` times."""
+        and its queue term counted 1 + ``fresh_queue_weight`` times; ``duplicate``: r has cache
+        credit and is neither fresh nor decided among peers, and the prefill of the tokens a candidate
+        near the fastest holds counts ``duplicate_weight`` more times on the others
+        (:mod:`~.duplicate`)."""
         n = snapshot.requests_in_flight[candidates].astype(np.float64)
         context = (
             snapshot.input_tokens_in_flight[candidates] + snapshot.generated_tokens_in_flight[candidates]
@@ -349,6 +361,17 @@ class MinMaxPolicy:
                 out = out + self.ttft_weight * own_prefill
         if fresh and queue is not None and self.fresh_queue_weight != 0.0:
             out = out + self.fresh_queue_weight * queue  # the queue ahead of a fresh prompt: 1 + X_f times
+        if duplicate and cached is not None and self.duplicate_weight > 0.0:
+            slope, intercept, price = self.duplicate_slopes(self.models.params if params is None else params)
+            most = most_held_near(
+                cached,
+                slope[candidates],
+                intercept[candidates],
+                float(max(features.input_tokens, 0)),
+                self.fresh_near_ratio,
+            )
+            if most > 0.0:  # m*: some backend near the fastest holds part of r's prompt
+                out = out + duplicate_terms(price[candidates], most - cached)
         return out, own_prefill, queue
 
     def choose(
@@ -375,7 +398,8 @@ class MinMaxPolicy:
         # I − cached, once for every term that prices r's prefill
         uncached = None if cached is None else uncached_tokens(features.input_tokens, cached)
         # cached ≥ 0 (trust · matched, net credit clamped at 0), so nonzero means some credit
-        weighted = cached is not None and self.cache_weight != 1.0 and bool(np.count_nonzero(cached))
+        credit = cached is not None and bool(np.count_nonzero(cached))
+        weighted = credit and self.cache_weight != 1.0
         t, u, w, w_saved = self._costs(
             features, snapshot, candidates, cached, saved=weighted, uncached=uncached
         )
@@ -402,7 +426,13 @@ class MinMaxPolicy:
                 and is_fresh(features.input_tokens, float(cached.max()), self.fresh_prompt_tokens)
             )
             lat, own_prefill, queue = self._floor(
-                features, snapshot, candidates, cached, uncached, fresh=fresh
+                features,
+                snapshot,
+                candidates,
+                cached,
+                uncached,
+                fresh=fresh,
+                duplicate=credit and not (peered or fresh),
             )
             own = np.maximum(own, lat)
             rank = own if w_saved is None else np.maximum(rank, lat)
@@ -616,6 +646,7 @@ def build_minmax(
         fresh_prompt_tokens=p.fresh_prompt_tokens,
         fresh_near_ratio=p.fresh_near_ratio,
         fresh_queue_weight=p.fresh_queue_weight,
+        duplicate_weight=p.duplicate_weight,
     )
 
 

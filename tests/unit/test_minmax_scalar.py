@@ -130,6 +130,7 @@ def _policy_kwargs(rng: random.Random) -> dict[str, Any]:
         "fresh_prompt_tokens": rng.choice([0, 1, 500, 7168]),
         "fresh_near_ratio": rng.choice([1.0, 3.0, rng.uniform(1.0, 10.0)]),
         "fresh_queue_weight": rng.choice([0.0, 1.5, rng.uniform(0.0, 5.0)]),
+        "duplicate_weight": rng.choice([0.0, 16.0, rng.uniform(0.0, 40.0)]),
     }
 
 

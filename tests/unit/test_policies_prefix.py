@@ -482,3 +482,56 @@ def test_fresh_queue_weight_counts_the_prompts_queued_ahead_of_a_fresh_prompt_mo
     decision = weighted.choose(long_request(), seen, BOTH)
     assert decision.index == 1
     assert weighted.choose_vectorised(long_request(), seen, BOTH).reason == decision.reason
+
+
+def test_duplicate_weight_prices_prefilling_again_what_another_backend_holds() -> None:
+    """``duplicate_weight`` (κ_d, 16 in ``balanced_minmax``): outside peers, the prefill of the tokens
+    another candidate near the fastest holds counts κ_d more times in the floor. Both backends idle, the
+    2 × slower one holding 4,096 of a 10,240-token prompt (not fresh: 6,144 < N tokens cached nowhere):
+    r's own latency alone (κ_d = 0) prefers the fast one's full prefill, 9 · T(10,240) against
+    9 · 2 · T(6,144); priced as a duplicate of the 4,096 held tokens the fast one costs 16 · T(4,096)
+    more and the holder takes r. The holder pays nothing; with nothing held anywhere, for a fresh prompt
+    (3,072 held: 7,168 cached nowhere, placed by drain time, :mod:`~hetroute.policies.fresh`) and where
+    the holder is not near the fastest backend (4 × slower, ρ = 3) the term is absent."""
+    pair = (backend("fast", profile(FAST, 800_000)), backend("mid", profile(MID, 800_000)))
+    default = policy("balanced_minmax", pair)
+    off = policy("balanced_minmax", pair, duplicate_weight=0.0)
+    assert default.duplicate_weight == 16.0 and off.duplicate_weight == 0.0
+    held = with_cache(snap(pair), [0.0, 4096.0])
+    assert off.choose(long_request(), held, BOTH).index == 0
+    decision = default.choose(long_request(), held, BOTH)
+    assert decision.index == 1
+    assert default.choose_vectorised(long_request(), held, BOTH).reason == decision.reason
+    lat = default.latency(long_request(), held, BOTH)
+    floor, _, _ = default._floor(long_request(), held, BOTH, duplicate=True)
+    assert floor[1] == lat[1]  # the holder pays nothing
+    extra = floor[0] - lat[0]
+    assert extra == pytest.approx(16.0 * (FAST.p1 + FAST.p3) * 4096.0)
+    for seen in (snap(pair), with_cache(snap(pair), [0.0, 3072.0])):  # nothing held; a fresh prompt
+        a, b = default.choose(long_request(), seen, BOTH), off.choose(long_request(), seen, BOTH)
+        assert (a.index, a.reason) == (b.index, b.reason)
+    far = (pair[0], backend("slow", profile(SLOW, 800_000)))
+    far_held = with_cache(snap(far), [0.0, 4096.0])
+    assert policy("balanced_minmax", far).latency(long_request(), far_held, BOTH).tolist() == list(
+        policy("balanced_minmax", far)._floor(long_request(), far_held, BOTH, duplicate=True)[0]
+    )
+    assert policy("workload_minmax", pair).duplicate_weight == 0.0  # off outside balanced_minmax
+    with pytest.raises(ConfigError, match="duplicate_weight"):
+        policy("balanced_minmax", pair, duplicate_weight=-1.0)
+    with pytest.raises(ConfigError, match="duplicate_weight"):
+        policy("memory_minmax", pair, duplicate_weight=1.0)  # no floor to price it in
+
+
+def test_among_peers_the_duplicate_price_plays_no_part() -> None:
+    """Among peers ``peer_latency`` decides by r's own latency, with no κ and no duplicate price."""
+    peers = tuple(backend(n, profile(FAST, 800_000)) for n in "abc")
+    default = policy("balanced_minmax", peers)
+    off = policy("balanced_minmax", peers, duplicate_weight=0.0)
+    rng = np.random.default_rng(11)
+    for k in range(50):
+        s = with_cache(
+            snap(peers, workload=list(rng.uniform(0, 3, 3)), prefill_pending=list(rng.uniform(0, 3e4, 3))),
+            list(rng.choice([0.0, 1024.0, 4096.0], 3)),
+        )
+        a, b = default.choose(long_request(f"r{k}"), s, THREE), off.choose(long_request(f"r{k}"), s, THREE)
+        assert (a.index, a.reason, a.workload_cost) == (b.index, b.reason, b.workload_cost)
