@@ -23,8 +23,8 @@ a prompt to the H100 although an A100 held its first document, and the H100's ca
 from a backend far busier than the others, take this price with it (it reads the guarded ``cached``).
 
 Holders far from the fastest do not count: a prefix on a slow backend is not worth keeping r off a fast
-one (the floor's κ term already keeps r off the slow one). Counting them sent paper-a's Mooncake turns
-towards its V100 TP1s and cost hits there (docs/prefix.md). A fresh prompt is placed by drain time
+one (the floor's κ term already keeps r off the slow one). Counting them cost paper-a's Mooncake
+trace its hit-rate bar at 1.2 load (docs/prefix.md). A fresh prompt is placed by drain time
 among the near backends, and the duplicate of its short cached head would undo that. Among peers κ
 plays no part (``peer_latency`` decides by r's own latency, :mod:`.peers`), and neither does this term.
 """
