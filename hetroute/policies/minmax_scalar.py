@@ -464,16 +464,18 @@ def _costs(
             full.append(0.0 if v < 0.0 else v)
         fastest = min(full)
     most = 0.0
-    if duplicate > 0.0:
-        assert cached is not None
+    held: list[float] = []  # cached per candidate, where the duplicate price applies
+    if duplicate > 0.0 and cached is not None:
         near_full = []
         for row in rows:
             v = (row[0] + row[2]) * il + (row[1] + row[3])
             near_full.append(0.0 if v < 0.0 else v)
         bound = ratio * min(near_full)
-        most = max((c for c, f in zip(cached, near_full, strict=True) if f <= bound), default=0.0)
-        most = 0.0 if most < 0.0 else most
-        if most <= 0.0:
+        # cached ≥ 0, so the largest credit near the fastest is ≥ 0 as well
+        most = max(c for c, f in zip(cached, near_full, strict=True) if f <= bound)
+        if most > 0.0:
+            held = cached
+        else:
             duplicate = 0.0
     # the queue ahead of a fresh prompt counts 1 + X_f times (with the floor's queue term)
     fresh_queue = policy.fresh_queue_weight if fresh and prefill_queue else 0.0
@@ -528,8 +530,7 @@ def _costs(
             if fresh_queue != 0.0:
                 lat = lat + fresh_queue * queue
             if duplicate > 0.0:
-                assert cached is not None
-                lat = lat + duplicate_term(duplicate, p1 + p3, most - cached[k])
+                lat = lat + duplicate_term(duplicate, p1 + p3, most - held[k])
             lat_list.append(lat)
             if peers_priced:
                 peer = lat - peer_weight * (0.0 if prefill < 0.0 else prefill) if peer_weight != 0.0 else lat
