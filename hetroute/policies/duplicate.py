@@ -73,16 +73,31 @@ def most_held_near(
 ) -> float:
     """m*: the most of r's prompt (``cached`` ≥ 0 per candidate) held by a candidate near the fastest,
     whose T_prefill(1, I_r) = max(slope · I + intercept, 0) (slope = p1 + p3, intercept = p2 + p4) is
-    at most ``near_ratio`` times the smallest (:mod:`.fresh`'s ρ); 0 when none holds any."""
-    full = np.maximum(slope * input_tokens + intercept, 0.0)
-    return float(cached[full <= near_ratio * float(full.min())].max())
+    at most ``near_ratio`` times the smallest (:mod:`.fresh`'s ρ); 0 when none holds any.
+
+    Exactly that value, found cheaply in the common case: when the candidate holding the most is near
+    the fastest, m* is its credit, and only the smallest T_prefill is needed for the test (the
+    smallest of the clamped values is the clamp of the smallest line value); the mask over every
+    candidate is built only when the largest holder is far."""
+    top = int(cached.argmax())
+    most = float(cached[top])
+    if not most > 0.0:
+        return 0.0  # no candidate holds any of r's prompt
+    line = slope * input_tokens + intercept
+    fastest = float(np.minimum.reduce(line))
+    bound = near_ratio * (fastest if fastest > 0.0 else 0.0)
+    held = float(line[top])
+    if (held if held > 0.0 else 0.0) <= bound:
+        return most
+    return float(cached[np.maximum(line, 0.0) <= bound].max())
 
 
 def duplicate_terms(price: FloatArray, lacking_tokens: FloatArray) -> FloatArray:
     """κ_d · max(p1 + p3, 0) · max(m* − cached_s, 0) per candidate (``price`` = κ_d · max(p1 + p3, 0),
     :class:`DuplicateSlopes`; ``lacking_tokens`` = m* − cached_s): the module docstring's term,
     T_prefill being linear in the prompt."""
-    out: FloatArray = price * np.maximum(lacking_tokens, 0.0)
+    out: FloatArray = np.maximum(lacking_tokens, 0.0)
+    out *= price
     return out
 
 

@@ -363,15 +363,13 @@ class MinMaxPolicy:
             out = out + self.fresh_queue_weight * queue  # the queue ahead of a fresh prompt: 1 + X_f times
         if duplicate and cached is not None and self.duplicate_weight > 0.0:
             slope, intercept, price = self.duplicate_slopes(self.models.params if params is None else params)
+            if candidates.size != slope.size:  # else every backend, in order (sorted, distinct)
+                slope, intercept, price = slope[candidates], intercept[candidates], price[candidates]
             most = most_held_near(
-                cached,
-                slope[candidates],
-                intercept[candidates],
-                float(max(features.input_tokens, 0)),
-                self.fresh_near_ratio,
+                cached, slope, intercept, float(max(features.input_tokens, 0)), self.fresh_near_ratio
             )
             if most > 0.0:  # m*: some backend near the fastest holds part of r's prompt
-                out = out + duplicate_terms(price[candidates], most - cached)
+                out = out + duplicate_terms(price, most - cached)
         return out, own_prefill, queue
 
     def choose(
@@ -527,7 +525,7 @@ class MinMaxPolicy:
         if unpriced is not None:
             blind = None if unpriced is ALL_UNPRICED else unpriced[candidates]
             if blind is None or bool(blind.any()):
-                net = pending - pending[pending.argmin()]
+                net = pending - np.minimum.reduce(pending)
                 np.subtract(cached, net, out=net)
                 np.maximum(net, 0.0, out=net)
                 out = net if blind is None else np.where(blind, net, cached)
@@ -537,9 +535,10 @@ class MinMaxPolicy:
         ):
             top = int(values.argmax())
             if not out[top] > 0.0:
-                continue  # the busiest candidate has no credit to lose (the common case: no sort)
-            top_two = np.partition(values, -2)  # the largest last, the next largest before it
-            if float(top_two[-1]) > float(top_two[-2]) * (1.0 + rel) + margin:
+                continue  # the busiest candidate has no credit to lose (the common case)
+            largest = float(values[top])
+            values[top] = -np.inf  # values is this call's own copy (fancy indexing): the rest's largest
+            if largest > float(np.maximum.reduce(values)) * (1.0 + rel) + margin:
                 if out is cached:
                     out = cached.copy()
                 out[top] = 0.0

@@ -12,6 +12,7 @@ from hetroute.clock import ManualClock
 from hetroute.errors import ConfigError
 from hetroute.latency import LatencyParams
 from hetroute.policies import PolicyContext, build_policy
+from hetroute.policies.duplicate import most_held_near
 from hetroute.policies.workload_minmax import MinMaxPolicy
 from hetroute.prefix.hashing import ROUTER_CHUNK_CHARS, text_chunk_hashes
 from hetroute.prefix.settings import PrefixConfig
@@ -537,3 +538,23 @@ def test_among_peers_the_duplicate_price_plays_no_part() -> None:
     assert_peers_decide_as_without(
         {"duplicate_weight": 0.0}, lambda rng: list(rng.choice([0.0, 1024.0, 4096.0], 3)), seed=11
     )
+
+
+def test_most_held_near_is_the_largest_credit_among_candidates_near_the_fastest() -> None:
+    """m* equals its definition, max{cached_s : T_s ≤ ρ · min T} with T = max(slope · I + intercept, 0),
+    on random fleets: when the largest holder is near (the shortcut: only the minimum is computed),
+    when it is far (the full mask), with lines clamped at 0 and with nothing held."""
+    rng = np.random.default_rng(5)
+    far_largest = 0
+    for _ in range(400):
+        n = int(rng.integers(2, 9))
+        slope = rng.uniform(-1e-5, 4e-4, n)
+        intercept = rng.uniform(-0.2, 0.05, n)
+        cached = rng.choice([0.0, 512.0, 1024.0, 3072.0], n) * (rng.random() < 0.9)
+        tokens = float(rng.integers(1, 8192))
+        full = np.maximum(slope * tokens + intercept, 0.0)
+        near = full <= 3.0 * full.min()
+        expected = float(cached[near].max())
+        far_largest += int(not near[int(cached.argmax())] and cached.max() > 0.0)
+        assert most_held_near(cached, slope, intercept, tokens, 3.0) == expected
+    assert far_largest > 20  # the fallback ran, not only the shortcut
