@@ -11,7 +11,9 @@ requests and over each half (since the two halves cost differently, the overall 
 them and moves with small changes of either). The fleets are
 profiled; one more row runs 64 backends with nothing known (no profile: the neutral default, whose
 decisions take the credit-net-of-waiting-tokens path, docs/prefix.md). Memory: the
-index after 100,000 distinct 4-chunk prompts over 8 backends, by ``tracemalloc``.
+index after 100,000 distinct 4-chunk prompts over 8 backends, by ``tracemalloc``. Lookup: one
+``PrefixIndex.matched_tokens`` at 64 backends for prompts of 32, 128 and 512 chunks (2 K to 32 K
+tokens) that a quarter of the backends hold whole and another quarter hold the first half of.
 
 Usage: ``python benchmarks/prefix_cost.py [--decisions N]``; writes results/prefix_cost.{json,md}.
 """
@@ -45,6 +47,8 @@ from hetroute.routing.router import Router  # noqa: E402
 from hetroute.types import RequestFeatures  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+LOOKUP_CHUNKS = (32, 128, 512)
+"""Prompt lengths, in 64-token chunks, of the index lookup timing (2 K, 8 K and 32 K tokens)."""
 BLOCK = 50
 """Decisions timed on one router before the other takes its turn: long enough that the two do not
 evict each other's data from the CPU caches at every decision (alternating one by one read both
@@ -127,6 +131,26 @@ def memory_mib(prompts: int = 100_000) -> tuple[float, float]:
     return used / 2**20, idx.memory_bytes() / 2**20
 
 
+def lookup_us(chunks: int, backends: int = 64, calls: int = 2000) -> float:
+    """p50 µs of one ``PrefixIndex.matched_tokens`` at ``backends`` backends for a prompt of ``chunks``
+    chunks that a quarter of them hold whole and another quarter hold the first half of (two places
+    where holders drop out), among 20,000 other chunks."""
+    rng = np.random.default_rng(chunks)
+    idx = PrefixIndex([math.nan] * backends)
+    for k in range(5000):
+        idx.insert(k % backends, tuple(int(h) for h in rng.integers(1, 2**62, size=4)), 0.0)
+    chain = tuple(int(h) for h in rng.integers(1, 2**62, size=chunks))
+    for b in range(backends // 4):
+        idx.insert(b, chain, 0.0)
+        idx.insert(backends // 4 + b, chain[: chunks // 2], 0.0)
+    times = np.empty(calls, dtype=np.float64)
+    for k in range(calls):
+        t0 = time.perf_counter_ns()
+        idx.matched_tokens(chain, 0.0, 64.0, math.inf)
+        times[k] = (time.perf_counter_ns() - t0) / 1e3
+    return float(np.median(times))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--decisions", type=int, default=5000)
@@ -152,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
         )
     traced, estimate = memory_mib()
+    lookups = {str(c): lookup_us(c) for c in LOOKUP_CHUNKS}
     doc = {
         "machine": platform.platform(),
         "python": sys.version.split()[0],
@@ -159,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": datetime.date.today().isoformat(),
         "route_release": rows,
         "index_100k_prompts_mib": {"tracemalloc": traced, "estimate": estimate},
+        "index_lookup_p50_us_by_chunks": lookups,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "prefix_cost.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
@@ -182,6 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     lines += ["", f"Index memory, 100,000 distinct 4-chunk prompts over 8 backends: {traced:.1f} MiB "
               f"(tracemalloc), {estimate:.1f} MiB (the index's own estimate)."]  # fmt: skip
+    sizes = ", ".join(f"{int(c) * 64:,} tokens ({c} chunks) {us:.1f} µs" for c, us in lookups.items())
+    lines += ["", "Index lookup p50 at 64 backends, a prompt a quarter of them hold whole and another "
+              f"quarter hold the first half of: {sizes}."]  # fmt: skip
     text = "\n".join(lines) + "\n"
     (RESULTS / "prefix_cost.md").write_text(text, encoding="utf-8")
     print(text)

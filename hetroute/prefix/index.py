@@ -18,9 +18,10 @@ Structure (memory and time bounded):
   what nobody reused).
 - ``max_chunks`` bounds the whole index: past it, the globally oldest backend's LRU chunk goes.
 
-Lookup (:meth:`matched_tokens`, :meth:`matched_chunks`) walks the request's chain once, intersecting
-masks, so it costs O(matched chunks + backends that drop out), not O(backends × chunks): at 64
-backends and a 32-chunk match it is a few microseconds.
+Lookup (:meth:`matched_tokens`, :meth:`matched_chunks`) bisects the request's chain for where the
+backends' runs of held chunks end (each backend holds a leading run of a chain: insertion is tail
+first and eviction oldest first), intersecting masks, so it costs O(log chunks) dictionary lookups per
+distinct run end, not O(backends × chunks) nor one per matched chunk.
 
 The index is a guess; :class:`~hetroute.prefix.trust.CacheTrust` corrects it with the engines' own hit
 counters.
@@ -113,27 +114,48 @@ class PrefixIndex:
         self, hashes: Sequence[int], now_s: float, tokens_per_chunk: float, max_tokens: float
     ) -> FloatArray | None:
         """Per backend, ``min(leading chunks of hashes it holds · tokens_per_chunk, max_tokens)``, or
-        None when no backend holds the first chunk (one pass; the values are written as the walk
-        finds each depth, with no array arithmetic after it)."""
+        None when no backend holds the first chunk.
+
+        Each backend's chunks of one chain form a leading run of it: a dispatch inserts a chain tail
+        first, so its head is always the more recent, and every eviction (LRU, TTL, capacity, the global
+        bound) takes a backend's oldest chunk first. So whether all of a set of backends hold chunk k is
+        true up to some k and false after, and the end of each run is found by bisection: O(log
+        chunks) lookups per distinct run end instead of one per chunk (a chain cached whole is one
+        lookup past the first). The values are written as each run end is found, with no array
+        arithmetic after it."""
         if now_s - self._last_sweep_s > self._ttl_s * SWEEP_FRACTION:
             self._sweep(now_s)
         holders = self._holders
-        if not hashes or not holders.get(hashes[0], 0):
+        if not hashes:
+            return None
+        mask = holders.get(hashes[0], 0)
+        if not mask:
             return None
         out: FloatArray = np.zeros(self._n, dtype=np.float64)
-        mask = self._all
-        depth = 0
-        for h in hashes:
-            held = holders.get(h, 0) & mask
-            if held != mask:
-                if depth:  # backends dropping out at depth 0 hold nothing
-                    self._fill(out, mask & ~held, min(depth * tokens_per_chunk, max_tokens))
-                mask = held
-                if not mask:
-                    return out
+        n = len(hashes)
+        depth = 1  # every backend in mask holds the first `depth` chunks
+        while True:
+            # the largest e in [depth, n] such that every backend in mask holds chunk e − 1
+            if holders.get(hashes[n - 1], 0) & mask == mask:
+                depth = n
+            else:
+                low, high = depth, n - 1
+                while low < high:
+                    mid = (low + high + 1) // 2
+                    if holders.get(hashes[mid - 1], 0) & mask == mask:
+                        low = mid
+                    else:
+                        high = mid - 1
+                depth = low
+            if depth == n:
+                self._fill(out, mask, min(n * tokens_per_chunk, max_tokens))
+                return out
+            held = holders.get(hashes[depth], 0) & mask  # some of mask lack chunk `depth`
+            self._fill(out, mask & ~held, min(depth * tokens_per_chunk, max_tokens))
+            if not held:
+                return out
+            mask = held
             depth += 1
-        self._fill(out, mask, min(depth * tokens_per_chunk, max_tokens))
-        return out
 
     def _fill(self, out: FloatArray, bits: int, value: float) -> None:
         """``out[i] = value`` for every bit i set in ``bits`` (bit i is backend i; ``out`` has a slot per

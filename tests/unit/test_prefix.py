@@ -109,6 +109,67 @@ def test_index_matches_on_many_holders_as_on_few() -> None:
         assert idx.matched_chunks(chain[:2], 1.0).tolist() == [min(d, 2) for d in depths]
 
 
+def _leading_runs(idx: PrefixIndex, chain: tuple[int, ...], now_s: float) -> list[float]:
+    """The definition the lookup bisects for: per backend, how many leading chunks of ``chain`` it
+    holds, one chunk at a time (after the same TTL sweep the lookup makes)."""
+    idx.matched_chunks(chain[:0], now_s)  # no chunk: only the sweep runs
+    out = []
+    for b in range(idx.backends):
+        run = 0
+        while run < len(chain) and idx._holders.get(chain[run], 0) >> b & 1:
+            run += 1
+        out.append(float(run))
+    return out
+
+
+def test_index_bisection_equals_the_leading_run_of_every_backend() -> None:
+    """Random dispatches of forks of a few chains over 9 backends with small capacities, TTL expiry and
+    forgotten backends: the bisecting lookup names each backend's leading run of held chunks, as a
+    chunk-by-chunk walk does (insertion tail first and eviction oldest first keep every backend's
+    chunks of a chain a leading run of it)."""
+    rng = random.Random(21)
+    idx = PrefixIndex([float(rng.choice([6, 12, 40])) for _ in range(9)], ttl_s=30.0)
+    roots = [text_chunk_hashes(str(k) * ROUTER_CHUNK_CHARS * 24) for k in range(4)]
+    now = 0.0
+    for step in range(600):
+        now += rng.random()
+        root = rng.choice(roots)
+        cut = rng.randrange(1, len(root) + 1)
+        chain = root[:cut] + text_chunk_hashes(f"{step:05d}" * ROUTER_CHUNK_CHARS)[: rng.randrange(0, 6)]
+        if rng.random() < 0.02:
+            idx.forget_backend(rng.randrange(9))
+        looked_up = rng.choice(roots)[: rng.randrange(1, 25)]
+        held = idx.matched_tokens(looked_up, now, 1.0, math.inf)
+        expected = _leading_runs(idx, looked_up, now)
+        assert (held.tolist() if held is not None else [0.0] * 9) == expected
+        idx.insert(rng.randrange(9), chain, now)
+    assert idx.chunks(0) > 0
+
+
+def test_index_lookup_of_a_chain_cached_whole_costs_two_dictionary_reads() -> None:
+    """The bisection reads the holders of the first and the last chunk when every holder has the whole
+    chain, and O(log chunks) reads per place where holders drop out, where a chunk-by-chunk walk reads
+    every matched chunk (a 512-chunk, 128 K-character prompt: 2 reads against 513)."""
+
+    class Counting(dict[int, int]):
+        reads = 0
+
+        def get(self, key: int, default: int = 0) -> int:  # type: ignore[override]
+            Counting.reads += 1
+            return super().get(key, default)
+
+    idx = PrefixIndex([math.nan] * 4)
+    chain = text_chunk_hashes("w" * ROUTER_CHUNK_CHARS * 512)
+    idx.insert(1, chain, now_s=0.0)
+    idx.insert(3, chain[:300], now_s=0.0)
+    idx._holders = Counting(idx._holders)
+    assert idx.matched_chunks(chain[:300], 1.0).tolist() == [0, 300, 0, 300]
+    assert Counting.reads == 2
+    Counting.reads = 0
+    assert idx.matched_chunks(chain, 1.0).tolist() == [0, 512, 0, 300]
+    assert Counting.reads <= 2 + 2 * (math.ceil(math.log2(512)) + 1)
+
+
 def test_index_rows_stay_right_past_the_kept_masks_bound() -> None:
     """More distinct large holder masks than ``MASK_ROWS_KEPT``: the kept rows are dropped and rebuilt,
     and every lookup still names exactly its holders."""
