@@ -45,6 +45,9 @@ class BackendFields:
 
     ``kv_capacity_tokens`` is the configured or discovered KV capacity in tokens (None when
     unknown; engines' ``vllm:cache_config_info`` or the profile may supply it later).
+    ``max_model_len`` is the engine's context window in tokens, prompt and output together (configured,
+    or discovered: vLLM's ``/v1/models`` ``max_model_len``, TGI's ``/info`` ``max_total_tokens``; None
+    when unknown). The output-length prediction never exceeds what the window leaves after the prompt.
     """
 
     name: str
@@ -58,6 +61,7 @@ class BackendFields:
     profile_path: str | None = None
     kv_capacity_tokens: int | None = None
     max_num_seqs: int | None = None
+    max_model_len: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,14 +236,20 @@ class Policy(Protocol):
 class OutputLengthPredictor(Protocol):
     """Predicts a request's output length in tokens; learns from completed requests.
 
-    ``predict`` never exceeds ``max_tokens`` when it is given and is at least 1.
+    ``predict`` never exceeds ``max_tokens`` when it is given and is at least 1 (callers pass the
+    request's own limit: its ``max_tokens`` and what the context window leaves,
+    :func:`hetroute.output_limits.output_limit`).
+    ``observe`` with ``cut``: the output stopped because the context window was full, so the model
+    would have written at least that many tokens (a censored observation,
+    :func:`hetroute.output_limits.output_cut`); a predictor that learns does not take it as the
+    output's length (see each predictor).
     """
 
     name: str
 
     def predict(self, model: str, input_tokens: int, max_tokens: int | None) -> int: ...
 
-    def observe(self, model: str, input_tokens: int, output_tokens: int) -> None: ...
+    def observe(self, model: str, input_tokens: int, output_tokens: int, cut: bool = False) -> None: ...
 
 
 class Clock(Protocol):

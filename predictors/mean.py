@@ -61,8 +61,12 @@ class MeanPredictor:
     def predict(self, model: str, input_tokens: int, max_tokens: int | None) -> int:
         return clamp_prediction(self.current_mean(model), max_tokens)
 
-    def observe(self, model: str, input_tokens: int, output_tokens: int) -> None:
+    def observe(self, model: str, input_tokens: int, output_tokens: int, cut: bool = False) -> None:
+        """Add the output to the model's mean; an output ``cut`` by the full context window only when it
+        is at least the current mean (the true length, at least as long, is then above it too)."""
         if not self.learn or output_tokens < 0:
+            return
+        if cut and output_tokens < self.current_mean(model):
             return
         self._sum[model] = self._sum.get(model, 0.0) + float(output_tokens)
         self._count[model] = self._count.get(model, 0) + 1

@@ -54,5 +54,5 @@ class NormalPredictor:
         draw = float(self._rng.normal(self.mean_tokens, self.std_tokens))
         return clamp_prediction(draw, max_tokens)
 
-    def observe(self, model: str, input_tokens: int, output_tokens: int) -> None:
+    def observe(self, model: str, input_tokens: int, output_tokens: int, cut: bool = False) -> None:
         return None

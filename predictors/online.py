@@ -15,8 +15,18 @@ often, which matters when an under-prediction lets a backend's KV overflow. ``st
 answers the window's mean instead: unbiased in sum, which is what a sum of per-request costs (the
 min-max load, the KV reservation) needs when outputs are skewed (Azure conversation: mean 211, p50 129).
 
-Caveat: an output cut at ``max_tokens`` is recorded as is (``observe`` does not see the limit), so
-clients with tight limits pull the estimate down.
+Cut outputs: an output that stopped because the prompt and the output filled the engine's context
+window (``max_model_len``) is a lower bound of what the model would have written. Taken as is, such
+outputs pulled the estimate down: on the Mooncake conversation trace cut to an 8,192-token window,
+half the prompts fill the window and end after 1 token, so the median of the 4 K-8 K bucket read 1
+token for every prompt of that length, against 340 for those not cut (docs/prefix.md, "Cut
+outputs"). ``observe(..., cut=True)`` adds a cut output only when it is at least the current
+estimate: there it lies on the same side of the quantile as the true length, so the quantile stays
+unbiased; below it, it says nothing and is dropped. The callers also clamp each prediction to the
+request's own limit (``output_limit``), so a prompt that fills the window is predicted the 1 token
+it can get. An output that reached the request's ``max_tokens`` is learned as it is
+(:func:`hetroute.output_limits.output_cut` says why), so clients with tight limits still pull the
+estimate down, within each request's own clamp.
 """
 
 from __future__ import annotations
@@ -170,8 +180,14 @@ class OnlineQuantilePredictor:
         value, _ = self.estimate(model, input_tokens)
         return clamp_prediction(value, max_tokens)
 
-    def observe(self, model: str, input_tokens: int, output_tokens: int) -> None:
+    def observe(self, model: str, input_tokens: int, output_tokens: int, cut: bool = False) -> None:
+        """Add the output to its bucket's and its model's windows. An output ``cut`` by the full context
+        window is a lower bound of the true length: it is added only when it is at least the current
+        estimate for its prompt length, where it lies on the same side of the estimate as the true
+        length would (module docstring, "Cut outputs")."""
         if output_tokens < 0 or input_tokens < 0:
+            return
+        if cut and output_tokens < self.estimate(model, input_tokens)[0]:
             return
         key = (model, self.bucket_of(input_tokens))
         bucket = self._buckets.get(key)

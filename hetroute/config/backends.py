@@ -38,9 +38,11 @@ from hetroute.types import ENGINE_KINDS, BackendFields, BackendSpec, EngineKind
 
 BACKEND_KEYS = (
     "name", "url", "engine", "models", "weight", "labels", "gpu", "tp",
-    "profile", "kv_capacity_tokens", "max_num_seqs", "discovery",
+    "profile", "kv_capacity_tokens", "max_num_seqs", "max_model_len", "discovery",
 )  # fmt: skip
-DEFAULTS_KEYS = ("engine", "weight", "labels", "profile", "kv_capacity_tokens", "max_num_seqs")
+DEFAULTS_KEYS = (
+    "engine", "weight", "labels", "profile", "kv_capacity_tokens", "max_num_seqs", "max_model_len",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +148,7 @@ def backend_from_dict(
         profile_path=profile_path,
         kv_capacity_tokens=opt_integer(merged, "kv_capacity_tokens", path, AT_LEAST_ONE),
         max_num_seqs=opt_integer(merged, "max_num_seqs", path, AT_LEAST_ONE),
+        max_model_len=opt_integer(merged, "max_model_len", path, AT_LEAST_ONE),
         discovery=optional(merged, "discovery", path, lambda v, p: as_choice(v, p, (DNS_DISCOVERY,))),
     )
 

@@ -42,6 +42,7 @@ from hetroute.admission.gate import AdmissionGate
 from hetroute.admission.queue import Shed
 from hetroute.backends.health import HealthTracker
 from hetroute.errors import NoBackendAvailable, UnknownModel
+from hetroute.output_limits import output_cut, output_limit
 from hetroute.prefix.hashing import ROUTER_CHUNK_CHARS, text_chunk_hashes
 from hetroute.proxy.api_errors import REQUEST_ID_HEADER, ApiError, error_response
 from hetroute.proxy.failover import AttemptFailure, exhausted_response
@@ -136,7 +137,8 @@ class Forwarder:
         rec = AccessRecord(rid, parsed.api, request.path, model=model, stream=parsed.stream)
         start = self.clock.now()
         input_est = self.estimator.estimate(model, parsed)
-        predicted = self.predictor.predict(model, input_est, parsed.max_tokens)
+        limit = output_limit(parsed.max_tokens, self.router.context_tokens(model), input_est)
+        predicted = self.predictor.predict(model, input_est, limit)
         features = self._features(request, parsed, rid, model, input_est, predicted)
         rec.prompt_tokens = input_est
         tried: list[int] = []
@@ -289,16 +291,19 @@ class Forwarder:
 
     def _learn(self, a: Attempt, prompt: int | None, completion: int | None, *, streamed: bool) -> None:
         """A successful answer teaches the token estimator and the output-length predictor (held and
-        taken in batches, :class:`HeldAnswers`) and, through ``router.complete``, the backend's live
-        latency model."""
+        taken in batches, :class:`HeldAnswers`; an output that filled the backend's context window is
+        marked cut, ``output_cut``) and, through ``router.complete``,
+        the backend's live latency model."""
         rec = a.rec
         if prompt is not None:
             rec.prompt_tokens = prompt
         if completion is not None:
             rec.completion_tokens = completion
             self.router.complete(a.ticket, completion, input_tokens=prompt, streamed=streamed)
+        window = self.router.backends[a.ticket.backend_index].max_model_len
+        cut = completion is not None and output_cut(window, rec.prompt_tokens or 0, completion)
         self.answers.add(
-            Answer(rec.model or "", a.parsed.prompt_chars, prompt, rec.prompt_tokens or 0, completion)
+            Answer(rec.model or "", a.parsed.prompt_chars, prompt, rec.prompt_tokens or 0, completion, cut)
         )
 
     def _complete(self, a: Attempt, resp: UpstreamResponse, body: bytes) -> web.Response:

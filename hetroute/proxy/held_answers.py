@@ -26,13 +26,15 @@ ANSWER_BATCH = 64
 class Answer(NamedTuple):
     """One successful answer: its model, its prompt's characters, the engine's prompt token count
     (None when it reported none), the prompt tokens the predictor is told (the engine's count, else
-    the router's estimate) and the output tokens (None when unknown)."""
+    the router's estimate), the output tokens (None when unknown) and whether the output stopped at
+    the request's limit (``predictors.base.output_cut``)."""
 
     model: str
     prompt_chars: int
     engine_prompt_tokens: int | None
     prompt_tokens: int
     completion_tokens: int | None
+    cut: bool = False
 
 
 class HeldAnswers:
@@ -60,7 +62,7 @@ class HeldAnswers:
             return
         held, self._held = self._held, []
         observe_chars, observe_output = self._estimator.observe, self._predictor.observe
-        for model, chars, engine_prompt, prompt, completion in held:
+        for model, chars, engine_prompt, prompt, completion, cut in held:
             observe_chars(model, chars, engine_prompt)
             if completion is not None:
-                observe_output(model, prompt, completion)
+                observe_output(model, prompt, completion, cut)

@@ -130,6 +130,7 @@ class Router:
     def _backends_changed(self) -> None:
         """Derive the per-backend constants from ``backends`` and drop every cache built on them."""
         self._serving: dict[tuple[str, Api], tuple[int, ...]] = {}
+        self._context: dict[str, int | None] = {}
         self._profile_caps: FloatArray = np.array(
             [
                 float(b.profile.kv_capacity_tokens) if b.profile is not None else math.nan
@@ -193,6 +194,20 @@ class Router:
             retired = self.retired
             found = tuple(i for i, b in enumerate(self.backends) if i not in retired and b.serves(model, api))
             self._serving[key] = found
+        return found
+
+    def context_tokens(self, model: str) -> int | None:
+        """The context window (prompt and output tokens) a request for ``model`` gets: the largest
+        ``max_model_len`` among the backends serving it, so that no backend's window is cut short;
+        None when one of them does not say, or none serves it (cached until the backends change)."""
+        if model in self._context:
+            return self._context[model]
+        retired = self.retired
+        serving = (b for i, b in enumerate(self.backends) if i not in retired and model in b.models)
+        windows = [b.max_model_len for b in serving]
+        known = [w for w in windows if w is not None]
+        found = max(known) if known and len(known) == len(windows) else None
+        self._context[model] = found
         return found
 
     def models(self, api: Api | None = None) -> tuple[str, ...]:

@@ -263,7 +263,8 @@ def build_fleet(
             raise ConfigError(f"{path}.model", str(exc)) from None
         try:
             config = EngineConfig(gpu=gpu, model=model, tp=inst.tp, engine=inst.engine, **inst.engine_args)  # type: ignore[arg-type]
-            capacity = EngineModel(config).kv_capacity_tokens
+            engine = EngineModel(config)
+            capacity, window = engine.kv_capacity_tokens, engine.max_model_len
         except ConfigError as exc:
             raise ConfigError(f"{path}.{exc.path}", exc.message) from None
         except (WeightsDoNotFit, ValueError) as exc:
@@ -288,6 +289,7 @@ def build_fleet(
                 profile_path=inst.profile_path,
                 kv_capacity_tokens=capacity,
                 max_num_seqs=config.max_num_seqs,
+                max_model_len=window,  # as discovery reads it from the engine's /v1/models or /info
             )
         )
     return Fleet(

@@ -43,6 +43,7 @@ import numpy as np
 from hetroute.clock import ManualClock
 from hetroute.errors import ConfigError
 from hetroute.learning.live import LiveModels
+from hetroute.output_limits import output_cut, output_limit
 from hetroute.prefix.hashing import ROUTER_CHUNK_TOKENS, segment_block_hashes
 from hetroute.routing.ledger import Ticket
 from hetroute.routing.router import Router
@@ -192,7 +193,8 @@ class Run:
         """Request k as the router sees it: Õ from the predictor, which never sees the true length."""
         req = self.workload[k]
         model = req.model or self.fleet.default_model
-        predicted = self.predictor.predict(model, req.input_tokens, req.max_tokens)
+        limit = output_limit(req.max_tokens, self.router.context_tokens(model), req.input_tokens)
+        predicted = self.predictor.predict(model, req.input_tokens, limit)
         return RequestFeatures(
             request_id=req.request_id,
             model=model,
@@ -283,7 +285,10 @@ class Run:
             self.dirty.discard(k)
             self.e2e_s[k] = now_s - req.arrival_s
             self.last_finish_s[e] = now_s
-            self.predictor.observe(req.model or self.fleet.default_model, req.input_tokens, self.generated[k])
+            generated = self.generated[k]
+            window = self.fleet.backends[e].max_model_len
+            cut = output_cut(window, req.input_tokens, generated)
+            self.predictor.observe(req.model or self.fleet.default_model, req.input_tokens, generated, cut)
         events = self.refill(now_s)
         if self.pending[e] is None and self.engines[e].has_work():
             events += self._start_step(e, now_s)

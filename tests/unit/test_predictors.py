@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from hetroute.errors import ConfigError
+from hetroute.output_limits import output_cut, output_limit
 from predictors import (
     DEFAULT_PREDICTOR,
     PREDICTORS,
@@ -123,6 +124,63 @@ def test_online_ignores_negative_observations() -> None:
     p = OnlineQuantilePredictor(min_samples=1)
     p.observe("m", 10, -5)
     assert p.estimate("m", 10) == (200.0, "prior")
+
+
+def test_the_output_limit_is_max_tokens_and_what_the_context_window_leaves() -> None:
+    assert output_limit(None, None, 500) is None  # nothing known: no limit
+    assert output_limit(64, None, 500) == 64
+    assert output_limit(None, 8192, 8000) == 192
+    assert output_limit(100, 8192, 8000) == 100
+    assert output_limit(500, 8192, 8000) == 192
+    assert output_limit(None, 8192, 8191) == 1
+    assert output_limit(None, 8192, 9000) == 1  # an over-long estimate still leaves one token
+
+
+def test_an_output_is_cut_only_when_it_fills_the_context_window() -> None:
+    assert output_cut(8192, 8191, 1)
+    assert output_cut(8192, 8000, 192)
+    assert not output_cut(8192, 8000, 191)
+    assert not output_cut(None, 8191, 100_000)  # window unknown: never cut
+
+
+def test_online_does_not_learn_cut_outputs_below_its_estimate() -> None:
+    """The Mooncake case (docs/prefix.md, "Cut outputs"): prompts that fill the window end after one
+    token. Learned as is, they pull the bucket's median to 1 for every prompt of that length."""
+    cut_aware = OnlineQuantilePredictor(min_samples=5, bucket_edges=(4096, 8192))
+    naive = OnlineQuantilePredictor(min_samples=5, bucket_edges=(4096, 8192))
+    for k in range(40):
+        for p in (cut_aware, naive):
+            p.observe("m", 5000 + k, 300 + k)  # not cut
+    for _ in range(60):
+        cut_aware.observe("m", 8191, 1, cut=True)
+        naive.observe("m", 8191, 1)
+    assert naive.predict("m", 5000, None) == 1
+    assert cut_aware.predict("m", 5000, None) == 320  # the median of 300..339 (319.5, rounded to even)
+    assert cut_aware.predict("m", 8191, output_limit(None, 8192, 8191)) == 1  # the caller's clamp
+
+
+def test_online_learns_cut_outputs_at_or_above_its_estimate() -> None:
+    """A cut output above the estimate lies on the same side of the quantile as the true length: learned."""
+    p = OnlineQuantilePredictor(min_samples=5)
+    for _ in range(5):
+        p.observe("m", 50, 100)
+    for _ in range(20):
+        p.observe("m", 50, 256, cut=True)  # the window was full after 256: at least 256 wanted
+    assert p.predict("m", 50, None) == 256
+    q = OnlineQuantilePredictor(min_samples=5)
+    for _ in range(20):
+        q.observe("m", 50, 16, cut=True)  # below the prior (200): dropped, the prior stays
+    assert q.estimate("m", 50) == (200.0, "prior")
+
+
+def test_mean_does_not_learn_cut_outputs_below_its_mean() -> None:
+    p = MeanPredictor(200.0, min_samples=2)
+    p.observe("a", 10, 100)
+    p.observe("a", 10, 300)
+    p.observe("a", 10, 5, cut=True)  # below the mean of 200: dropped
+    assert p.predict("a", 10, None) == 200
+    p.observe("a", 10, 500, cut=True)  # above it: learned
+    assert p.predict("a", 10, None) == 300
 
 
 def test_default_is_registered_and_the_alias_builds_it() -> None:
