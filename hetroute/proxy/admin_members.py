@@ -5,8 +5,9 @@ error shape the rest of ``/admin`` uses.
 
 - ``POST /admin/backends`` takes one backend entry shaped as an item of the config's ``backends:``
   (``name``, ``url``, and optionally ``engine``, ``models``, ``gpu``, ``tp``, ``weight``, ``labels``,
-  ``profile``, ``kv_capacity_tokens``, ``max_num_seqs``). Without ``engine`` or ``models`` the server
-  is asked, as at start-up (TGI ``/info``, OpenAI ``/v1/models``). 201 with the backend and its slot;
+  ``profile``, ``kv_capacity_tokens``, ``max_num_seqs``, ``max_model_len``). Without ``engine`` or
+  ``models`` the server is asked, as at start-up (TGI ``/info``, OpenAI ``/v1/models``; the context
+  window comes with the answer). 201 with the backend, its window and its slot;
   400 for a bad entry (the message names the field), 409 when the name is taken, 502 when discovery
   cannot reach the server. The backend takes traffic from the next routing decision on.
 - ``DELETE /admin/backends/{name}`` stops routing to the backend at once; its in-flight requests are
@@ -104,6 +105,7 @@ class MemberAdmin:
             "url": spec.url,
             "engine": spec.engine,
             "models": list(spec.models),
+            "max_model_len": spec.max_model_len,
             "slot": slot,
             "state": "member",
         }

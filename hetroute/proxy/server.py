@@ -263,6 +263,7 @@ class Gateway:
                     "labels": dict(spec.labels),
                     "gpu": spec.gpu,
                     "tp": spec.tp,
+                    "max_model_len": spec.max_model_len,
                     "health": self.health.describe(i),
                     "ledger": router.ledger.backend_load(i),
                     "foreign_requests": round(float(foreign[i]), 2),

@@ -50,6 +50,29 @@ async def test_the_router_takes_the_largest_window_only_when_every_backend_gives
     assert one.app[ROUTER].context_tokens(MODEL) is None  # b's window unknown: no clamp
 
 
+async def test_admin_shows_each_window_and_a_backend_added_live_has_its_window_discovered(
+    emulate: EmulateFn, gateway: GatewayFn
+) -> None:
+    a, b = await emulate("vllm", name="a"), await emulate("vllm", name="b")
+    window = await _window_of(b.url, "/v1/models", "max_model_len")
+    gw = await gateway([{**backend_entry(a), "max_model_len": 2048}], admin_token="tok")
+    router, auth = gw.app[ROUTER], {"Authorization": "Bearer tok"}
+    assert router.context_tokens(MODEL) == 2048
+    async with aiohttp.ClientSession() as s:
+        # No engine or models: the server is asked, and its window comes with the answer.
+        entry = {"name": "b", "url": b.url}
+        async with s.post(gw.url + "/admin/backends", json=entry, headers=auth) as r:
+            assert r.status == 201, await r.text()
+            assert (await r.json())["max_model_len"] == window
+        async with s.get(gw.url + "/admin/backends", headers=auth) as r:
+            shown = {x["name"]: x["max_model_len"] for x in (await r.json())["backends"]}
+    assert shown == {"a": 2048, "b": window} and window != 2048
+    assert router.context_tokens(MODEL) == max(2048, window)  # the cache follows the change
+    async with aiohttp.ClientSession() as s, s.delete(gw.url + "/admin/backends/b", headers=auth) as r:
+        assert r.status == 200
+    assert router.context_tokens(MODEL) == 2048
+
+
 async def test_predictions_are_clamped_to_the_window_and_cut_outputs_below_the_estimate_are_not_learned(
     emulate: EmulateFn, gateway: GatewayFn
 ) -> None:
