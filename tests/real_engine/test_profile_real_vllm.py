@@ -10,8 +10,9 @@ skipped, and the reason says the variable allowed it. Either way the run ends wi
 
 Run only this test: ``pytest -m real_engine -s tests/real_engine``; skip it: ``-m "not real_engine"``.
 It builds the model (~5 s), starts the server (~20-40 s), profiles it for at most ``BUDGET_S`` and
-fits: about 3 minutes in all on 2 CPU cores. The same server then serves the live-learning test and
-the prefix-cache test (``prefix_check.py``: vLLM's own hit counters against the router's index).
+fits: about 3 minutes in all on 2 CPU cores. The same server then serves the live-learning test,
+the prefix-cache test (``prefix_check.py``: vLLM's own hit counters against the router's index) and
+the discovery of its context window.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from typing import NoReturn
 import aiohttp
 import pytest
 
+from hetroute.backends.discovery import discover
 from hetroute.clock import MonotonicClock
+from hetroute.config import quick_config
 from hetroute.latency import load_profile
 from profiling.collect import SweepConfig
 from profiling.runner import EXIT_OK, ProfileOptions, profile_backend
@@ -190,6 +193,16 @@ async def test_prefix_hits_counted_by_real_vllm_match_the_router_index(vllm_serv
     assert result["engine_hit_ratio"] > 0.5  # 7 of 8 prompts repeat the shared prefix
     assert abs(result["router_expected_hit_ratio"] - result["engine_hit_ratio"]) < 0.15
     assert result["router_trust"] >= 0.8
+
+
+@pytest.mark.timeout(60)
+async def test_discovery_reads_the_context_window_of_real_vllm(vllm_server: str) -> None:
+    """Discovery asks the real server (OpenAI ``/v1/models``: vLLM's ``max_model_len`` per model) and the
+    router takes its window, which clamps output predictions (hetroute/output_limits.py)."""
+    cfg = await discover(quick_config([vllm_server], env={}))
+    (backend,) = cfg.backends
+    assert backend.engine == "vllm" and backend.models == (tiny_vllm.SERVED,)
+    assert backend.max_model_len == tiny_vllm.MAX_MODEL_LEN
 
 
 if __name__ == "__main__":  # pragma: no cover
