@@ -292,8 +292,8 @@ class Forwarder:
     def _learn(self, a: Attempt, prompt: int | None, completion: int | None, *, streamed: bool) -> None:
         """A successful answer teaches the token estimator and the output-length predictor (held and
         taken in batches, :class:`HeldAnswers`; an output that filled the backend's context window is
-        marked cut, ``output_cut``) and, through ``router.complete``,
-        the backend's live latency model."""
+        marked cut, ``output_cut``) and, through ``router.complete``, the backend's live latency
+        model."""
         rec = a.rec
         if prompt is not None:
             rec.prompt_tokens = prompt

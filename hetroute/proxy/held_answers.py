@@ -26,8 +26,8 @@ ANSWER_BATCH = 64
 class Answer(NamedTuple):
     """One successful answer: its model, its prompt's characters, the engine's prompt token count
     (None when it reported none), the prompt tokens the predictor is told (the engine's count, else
-    the router's estimate), the output tokens (None when unknown) and whether the output stopped at
-    the request's limit (``predictors.base.output_cut``)."""
+    the router's estimate), the output tokens (None when unknown) and whether the output stopped
+    because the serving backend's context window was full (:func:`hetroute.output_limits.output_cut`)."""
 
     model: str
     prompt_chars: int
