@@ -9,6 +9,8 @@ of emulated engines (``--part gateway``, a smaller set). The engines cache prefi
 Load: per fleet, the capacity C (tokens/s) is the default's throughput on ``no-sharing`` at rate ∞;
 each workload then runs at ``--loads`` × C / (mean prompt + output tokens of that workload) requests
 per second, so "1.0" is the arrival rate that would saturate the fleet without any cache reuse.
+Every workload is fit to the context window the fleet's engines serve (8,192 tokens on paper-a, mixed
+and the homogeneous fleet, 32,768 on paper-b; ``--max-model-len`` sets another).
 
 Per run: throughput (tokens/s), TTFT p50/p99 (s), the engines' prefix-cache hit rate (Σ hits / Σ
 queries, in tokens), the router's estimated hit rate (Σ cached tokens expected at dispatch / Σ prompt
@@ -31,6 +33,7 @@ turns it into the tables.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -70,7 +73,9 @@ TABLE_POLICIES = ("default", "default-no-prefix", "cache_aware", "prefix_scorer"
 """What a table runs unless ``--policies`` says otherwise (the two peer variants only when named)."""
 METRICS = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "engine_hit_rate", "router_hit_estimate")
 BASELINES = ("default-no-prefix", "cache_aware", "prefix_scorer", "session_hash")
-MAX_MODEL_LEN = 8192  # Llama-3-8B's context: every fleet here serves it
+MAX_MODEL_LEN = 8192
+"""Llama-3-8B's context window: the window of paper-a, mixed and the homogeneous fleet (the gateway
+benchmark's fleets); :func:`window_of` gives any fleet's."""
 HOMOGENEOUS = {
     "name": "homogeneous",
     "description": "4 x A100-80GB TP1, Llama-3-8B",
@@ -86,6 +91,21 @@ def fleet_of(name: str, blind: bool) -> Any:
     cluster = parse_cluster(HOMOGENEOUS) if name == "homogeneous" else get_scenario(name).cluster()
     fleet = build_fleet(cluster)
     return blind_fleet(fleet) if blind else fleet
+
+
+def window_of(fleet_name: str, max_model_len: int | None = None) -> int:
+    """The context window a fleet's workloads are made to fit: ``max_model_len`` when given
+    (``--max-model-len``), else the one its engines serve its model with (8,192 for Llama-3-8B, 32,768
+    for paper-b's DeepSeek-R1-Distill-Qwen-14B). The generators end a session whose next turn would not
+    fit; the trace replay cuts a prompt at its end, then its output, so that both fit
+    (``mooncake_trace``): at 8,192 tokens half the trace's prompts keep 1 output token."""
+    return max_model_len if max_model_len is not None else served_window(fleet_name)
+
+
+@functools.cache
+def served_window(fleet_name: str) -> int:
+    """The smallest ``max_model_len`` the fleet's engines serve its model with."""
+    return int(fleet_of(fleet_name, False).max_model_len())
 
 
 def workload_of(kind: str, n: int, rate: float, seed: int, max_model_len: int) -> list[Any]:
@@ -220,6 +240,7 @@ def cell_rate(
     capacities: dict[str, float],
     capacity_of: Callable[[str], float],
     requests: int,
+    max_model_len: int | None = None,
 ) -> float:
     """The cell's arrival rate (requests/s): stored (``--rates-from``), else its load × the fleet's
     no-sharing capacity (``capacity_of(fleet)``, once per fleet into ``capacities``) / the workload's
@@ -230,7 +251,7 @@ def cell_rate(
     if fleet_name not in capacities:
         capacities[fleet_name] = capacity_of(fleet_name)
         print(f"{fleet_name}: no-sharing capacity {capacities[fleet_name]:,.0f} tokens/s", flush=True)
-    probe = workload_of(kind, requests, math.inf, 0, MAX_MODEL_LEN)
+    probe = workload_of(kind, requests, math.inf, 0, window_of(fleet_name, max_model_len))
     return load * capacities[fleet_name] / mean_tokens(probe)
 
 
@@ -248,7 +269,6 @@ def sim_part(
     rows = kept_rows(args, cells)
     capacities: dict[str, float] = {}
     fleets: dict[str, Any] = {}
-    max_len = MAX_MODEL_LEN
 
     def fleet_named(name: str) -> Any:
         if name not in fleets:
@@ -256,14 +276,16 @@ def sim_part(
         return fleets[name]
 
     def capacity_of(name: str) -> float:
-        base = workload_of("no-sharing", args.requests, math.inf, 0, max_len)
+        base = workload_of("no-sharing", args.requests, math.inf, 0, window_of(name, args.max_model_len))
         return float(sim_run(fleet_named(name), base, "default-no-prefix", True)["throughput_tok_s"])
 
     for fleet_name, kind, load in cells:
         fleet = fleet_named(fleet_name)
-        rate = cell_rate((fleet_name, kind, load), pinned, capacities, capacity_of, args.requests)
+        rate = cell_rate(
+            (fleet_name, kind, load), pinned, capacities, capacity_of, args.requests, args.max_model_len
+        )
         for seed in args.seeds:
-            wl = workload_of(kind, args.requests, rate, seed, max_len)
+            wl = workload_of(kind, args.requests, rate, seed, window_of(fleet_name, args.max_model_len))
             for policy in args.policies:
                 started = time.perf_counter()
                 row = sim_run(fleet, wl, policy, True)
@@ -367,6 +389,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     p.add_argument("--loads", type=lambda s: [float(x) for x in s.split(",")], default=[0.7, 1.2])
     p.add_argument("--blind", action="store_true", help="nothing known: house model names, no GPU labels")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="fit every workload to this context window in tokens (default: each fleet's own, 8,192 "
+        "for paper-a, mixed and homogeneous, 32,768 for paper-b; the paper-b tables before stop 52 "
+        "used 8,192)",
+    )
     p.add_argument("--out", type=Path, default=None, help="results file stem (default results/prefix_<part>)")
     p.add_argument(
         "--policies",

@@ -173,7 +173,6 @@ def gateway_part(
     fractions of the simulated no-sharing capacity of the same fleet, nothing known with ``--blind``
     (as the simulator's ``--blind`` table)."""
     from prefix import (
-        MAX_MODEL_LEN,
         POLICIES,
         cell_rate,
         fleet_of,
@@ -181,12 +180,13 @@ def gateway_part(
         pinned_rates,
         planned_cells,
         sim_run,
+        window_of,
         workload_of,
     )
 
     def capacity_of(name: str) -> float:
         """The simulated no-sharing capacity of the fleet, nothing known with ``--blind``."""
-        base = workload_of("no-sharing", 2000, math.inf, 0, MAX_MODEL_LEN)
+        base = workload_of("no-sharing", 2000, math.inf, 0, window_of(name, args.max_model_len))
         return float(sim_run(fleet_of(name, args.blind), base, "default-no-prefix", True)["throughput_tok_s"])
 
     cells = planned_cells(args)
@@ -195,9 +195,11 @@ def gateway_part(
     capacities: dict[str, float] = {}
     for fleet_name, kind, load in cells:
         fleet = fleet_of(fleet_name, False)
-        rate = cell_rate((fleet_name, kind, load), pinned, capacities, capacity_of, args.requests)
+        rate = cell_rate(
+            (fleet_name, kind, load), pinned, capacities, capacity_of, args.requests, args.max_model_len
+        )
         for seed in args.seeds:
-            wl = workload_of(kind, args.requests, rate, seed, MAX_MODEL_LEN)
+            wl = workload_of(kind, args.requests, rate, seed, window_of(fleet_name, args.max_model_len))
             for policy in args.policies:
                 name, params = POLICIES[policy]
                 started = time.perf_counter()
