@@ -73,9 +73,6 @@ TABLE_POLICIES = ("default", "default-no-prefix", "cache_aware", "prefix_scorer"
 """What a table runs unless ``--policies`` says otherwise (the two peer variants only when named)."""
 METRICS = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "engine_hit_rate", "router_hit_estimate")
 BASELINES = ("default-no-prefix", "cache_aware", "prefix_scorer", "session_hash")
-MAX_MODEL_LEN = 8192
-"""Llama-3-8B's context window: the window of paper-a, mixed and the homogeneous fleet (the gateway
-benchmark's fleets); :func:`window_of` gives any fleet's."""
 HOMOGENEOUS = {
     "name": "homogeneous",
     "description": "4 x A100-80GB TP1, Llama-3-8B",
