@@ -197,8 +197,10 @@ async def test_prefix_hits_counted_by_real_vllm_match_the_router_index(vllm_serv
 
 @pytest.mark.timeout(60)
 async def test_discovery_reads_the_context_window_of_real_vllm(vllm_server: str) -> None:
-    """Discovery asks the real server (OpenAI ``/v1/models``: vLLM's ``max_model_len`` per model) and the
-    router takes its window, which clamps output predictions (hetroute/output_limits.py)."""
+    """Discovery asks the real server (OpenAI ``/v1/models``: vLLM's ``max_model_len`` per model) and
+    finds its engine, its served model and its context window, the window the router clamps output
+    predictions to (hetroute/output_limits.py; that use is tested against the emulators in
+    tests/integration/test_output_limits.py)."""
     cfg = await discover(quick_config([vllm_server], env={}))
     (backend,) = cfg.backends
     assert backend.engine == "vllm" and backend.models == (tiny_vllm.SERVED,)
