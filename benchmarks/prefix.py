@@ -16,7 +16,9 @@ Per run: throughput (tokens/s), TTFT p50/p99 (s), the engines' prefix-cache hit 
 queries, in tokens), the router's estimated hit rate (Σ cached tokens expected at dispatch / Σ prompt
 tokens) and the router's index memory. Model knowledge: the simulator's policies use the roofline
 prior fitted to the same engine model (the flattering case) with live learning on; ``--blind`` runs
-them with nothing known (house model names), which the README's claims also cover.
+them with nothing known (house model names), which the README's claims also cover. ``--queue`` puts
+every policy behind the router's admission queue (one unbounded class: requests wait at the router
+only while every backend is full, and are placed when one has room), for the overloaded cells.
 
     python benchmarks/prefix.py --part sim            # the full simulator table (a few minutes)
     python benchmarks/prefix.py --part gateway        # through the gateway (about 35 minutes)
@@ -118,13 +120,33 @@ def mean_tokens(workload: Sequence[Any]) -> float:
     return float(np.mean([r.input_tokens + r.output_tokens for r in workload]))
 
 
-def sim_run(fleet: Any, workload: Sequence[Any], policy: str, learning: bool) -> dict[str, Any]:
+def queue_of(on: bool) -> Any:
+    """``--queue``: the router's admission queue with one class, unbounded in length and wait, so it
+    holds a request only while every backend is full and sheds none (docs/admission.md); else None."""
+    if not on:
+        return None
+    from hetroute.admission.config import parse_admission
+    from hetroute.simulation.admission_run import SimAdmission
+
+    unbounded = {"name": "default", "max_queue_len": 10**6, "max_queue_wait_s": 1e6}
+    return SimAdmission(parse_admission({"classes": [unbounded]}))
+
+
+def sim_run(
+    fleet: Any, workload: Sequence[Any], policy: str, learning: bool, queue: bool = False
+) -> dict[str, Any]:
     from hetroute.learning.settings import LearningConfig
     from hetroute.simulation.simulator import run_simulation
 
     name, params = POLICIES[policy]
     res = run_simulation(
-        fleet, workload, name, params, label=policy, learning=LearningConfig() if learning else None
+        fleet,
+        workload,
+        name,
+        params,
+        label=policy,
+        learning=LearningConfig() if learning else None,
+        admission=queue_of(queue),
     )
     extra = res.extra
     queries = extra.get("prefix_cache_queries_tokens", 0.0)
@@ -285,8 +307,8 @@ def sim_part(
             wl = workload_of(kind, args.requests, rate, seed, window_of(fleet_name, args.max_model_len))
             for policy in args.policies:
                 started = time.perf_counter()
-                row = sim_run(fleet, wl, policy, True)
-                row.update(fleet=fleet_name, workload=kind, load=load, rate=rate, seed=seed)
+                row = sim_run(fleet, wl, policy, True, args.queue)
+                row.update(fleet=fleet_name, workload=kind, load=load, rate=rate, seed=seed, queue=args.queue)
                 rows.append(row)
                 on_row(rows)
                 print(
@@ -387,6 +409,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--loads", type=lambda s: [float(x) for x in s.split(",")], default=[0.7, 1.2])
     p.add_argument("--blind", action="store_true", help="nothing known: house model names, no GPU labels")
     p.add_argument(
+        "--queue",
+        action="store_true",
+        help="sim: every policy behind the router's admission queue (one class, unbounded: it holds a "
+        "request only while every backend is full and sheds none); capacities are still measured without",
+    )
+    p.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -439,6 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if v is not None
     ]
+    if args.queue and args.part != "sim":
+        p.error("--queue: the simulator part only")
     if run_only and args.render:
         p.error(f"{', '.join(run_only)}: not with --render")
     for option, path in (("--rates-from", args.rates_from), ("--with-rows", args.with_rows)):
@@ -459,6 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.part == "sim":
         rows = sim_part(args, save)
         title = "Prefix-aware routing in the simulator" + (" (nothing known)" if args.blind else "")
+        title += " behind the admission queue" if args.queue else ""
     else:
         from prefix_gateway import gateway_part
 
