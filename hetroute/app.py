@@ -16,11 +16,13 @@ learning loop), which are cancelled and awaited before the sessions close.
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import random
 import secrets
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -77,8 +79,10 @@ from hetroute.routing.ledger import Ledger
 from hetroute.routing.peers import PeerView
 from hetroute.routing.router import Router
 from hetroute.telemetry import Telemetry
-from hetroute.types import BackendSpec, Clock, Policy
+from hetroute.types import BackendSpec, Clock, FloatArray, Policy
 from predictors import DEFAULT_PREDICTOR, build_predictor
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ADMISSION",
@@ -150,6 +154,8 @@ def build_app(
     gate = forwarder.admission
     if gate is not None:  # a backend that joins is capacity for the requests waiting now
         cluster.membership.on_join.append(lambda _i, _spec: gate.wake())
+        telemetry.bind_queue_limits(gate.placer.sequence_limit)
+        _warn_unknown_seqs(cluster.router.backends, cluster.models.max_num_seqs)
     guard = ClientGuard(
         limits_of(cfg.server),
         telemetry=telemetry,
@@ -263,6 +269,20 @@ def _cluster(cfg: Config, seed: int, clock: Clock, telemetry: Telemetry, replica
         learner=learner,
     )
     return _Cluster(backend_models, learner, health, metrics, ledger, router, membership)
+
+
+def _warn_unknown_seqs(backends: Sequence[BackendSpec], max_num_seqs: FloatArray) -> None:
+    """With the admission queue on: say which backends have no ``max_num_seqs`` (no configuration,
+    profile or catalog prior), whose sequence limit the queue then learns from their engines' scrapes
+    and can learn too low (docs/admission.md)."""
+    unknown = [b.name for b, n in zip(backends, max_num_seqs.tolist(), strict=True) if not math.isfinite(n)]
+    if unknown:
+        log.warning(
+            "admission queue: no max_num_seqs for %s; their sequence limits are learned from the "
+            "engines' scrapes and long prompts can make them too low "
+            "(hetroute_queue_sequence_limit; set max_num_seqs where you know it, docs/admission.md)",
+            ", ".join(unknown),
+        )
 
 
 def _bind_telemetry(telemetry: Telemetry, c: _Cluster) -> None:

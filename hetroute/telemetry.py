@@ -191,6 +191,18 @@ class Telemetry:
         self._per_backend(samples, lambda i: float(learner.samples[i]))
         self._per_backend(drifts, lambda i: float(learner.drifts(i)))
 
+    def bind_queue_limits(self, sequence_limit: Callable[[int], float]) -> None:
+        """Export ``hetroute_queue_sequence_limit`` per backend, computed on scrape: the sequence limit
+        the admission queue's fullness test holds the backend to (its ``max_num_seqs`` where known,
+        else learned from the engine's scrapes; NaN while neither; docs/admission.md)."""
+        gauge = Gauge(
+            "hetroute_queue_sequence_limit",
+            "Admission queue: sequences a backend is held to (max_num_seqs, else learned from scrapes).",
+            ["backend"],
+            registry=self.registry,
+        )
+        self._per_backend(gauge, sequence_limit)
+
     def bind_foreign(self, foreign_requests: Callable[[], FloatArray]) -> None:
         """Export ``hetroute_foreign_requests`` per backend, computed on scrape: the requests the router
         counts there on behalf of others (other replicas, direct clients; ``scrape.foreign_load``)."""

@@ -84,12 +84,18 @@ def emulate(stack: AsyncExitStack) -> EmulateFn:
         seed: int = 0,
         served_model: str = MODEL,
         name: str | None = None,
+        max_num_seqs: int = 256,
     ) -> Emu:
         nonlocal count
         count += 1
-        engine = EngineModel(
-            EngineConfig(lookup_gpu(gpus, gpu), lookup_model(models, "Llama-3-8B"), tp, engine=kind)
+        config = EngineConfig(
+            lookup_gpu(gpus, gpu),
+            lookup_model(models, "Llama-3-8B"),
+            tp,
+            engine=kind,
+            max_num_seqs=max_num_seqs,
         )
+        engine = EngineModel(config)
         app = build_emulator_app(
             engine,
             served_model=served_model,

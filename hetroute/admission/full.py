@@ -178,6 +178,12 @@ class ObservedSeqs:
             else:
                 self._last[name] = (False, running)
 
+    def learned(self, name: str, url: str) -> float | None:
+        """The limit used for backend (``name``, ``url``) as of the scrapes read so far (R + 1), or None
+        while none is learned. Read-only: it reads no scrape."""
+        seen = self._seen.get((name, url))
+        return None if seen is None else seen + 1.0
+
 
 class Placer:
     """Routes a request through ``router`` restricted to backends that are not full."""
@@ -188,6 +194,19 @@ class Placer:
         self.models = models if models is not None else BackendModels.from_specs(router.backends)
         self.observed_seqs = ObservedSeqs()
         self.arrivals = ArrivalRate(config.arrival_window_s)
+
+    def sequence_limit(self, i: int) -> float:
+        """The sequence limit the fullness test holds backend slot ``i`` to: its ``max_num_seqs``
+        (configuration, profile or prior) where known, else the one learned from its engine's scrapes
+        (:class:`ObservedSeqs`), NaN while there is none (``hetroute_queue_sequence_limit``)."""
+        static = self.models.max_num_seqs
+        if i < static.size and math.isfinite(float(static[i])):
+            return float(static[i])
+        backends = self.router.backends
+        if i >= len(backends):
+            return math.nan
+        learned = self.observed_seqs.learned(backends[i].name, backends[i].url)
+        return math.nan if learned is None else learned
 
     def arrived(self, features: RequestFeatures, now_s: float) -> None:
         """Count one arrival (every request that reaches admission, queued or not) in the arrival

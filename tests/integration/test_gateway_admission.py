@@ -10,9 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import math
 from typing import Any
 
 import aiohttp
+import pytest
 
 from hetroute.app import ADMISSION
 from tests.conftest import MODEL, Emu, EmulateFn, Gateway, GatewayFn, backend_entry, eventually, metric_sum
@@ -197,4 +200,52 @@ async def test_a_backend_added_while_requests_wait_takes_them_at_once(
         outs = await asyncio.gather(first, second)
     assert sorted(backend for backend, _ in outs) == ["a", "b"]
     assert all(o.rstrip().endswith(b"data: [DONE]") for _, o in outs)
+    assert await eventually(lambda: drained(gw))
+
+
+def sequence_limit(gw: Gateway, backend: str) -> float:
+    from hetroute.app import TELEMETRY
+
+    for family in gw.app[TELEMETRY].registry.collect():
+        for sample in family.samples:
+            if sample.name == "hetroute_queue_sequence_limit" and sample.labels["backend"] == backend:
+                return float(sample.value)
+    raise AssertionError(f"no hetroute_queue_sequence_limit for {backend}")
+
+
+async def test_the_queue_exports_each_backends_sequence_limit_and_learns_an_unknown_one(
+    emulate: EmulateFn, gateway: GatewayFn, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``hetroute_queue_sequence_limit``: a configured ``max_num_seqs`` as it is; a backend with none
+    (served under a name no catalog knows) is NaN, named in a warning at start-up, until two scrapes
+    in a row show its engine running the same count with requests waiting."""
+    known = await emulate(name="known", speedup=20.0)
+    blind = await emulate(name="blind", speedup=20.0, max_num_seqs=2)
+    with caplog.at_level(logging.WARNING, logger="hetroute.app"):
+        gw = await gateway([one_seq(known), backend_entry(blind)], admission=ONE)
+    warned = [r.getMessage() for r in caplog.records if "max_num_seqs" in r.getMessage()]
+    assert len(warned) == 1 and "blind" in warned[0] and "known" not in warned[0]
+    assert sequence_limit(gw, "known") == 1.0
+    assert math.isnan(sequence_limit(gw, "blind"))
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 400, "stream": True}  # ~1 s each
+    async with aiohttp.ClientSession() as s:
+
+        async def one() -> bytes:
+            async with s.post(gw.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                return await resp.read()
+
+        # "known" holds one at a time; the rest go to "blind", whose engine runs 2 and queues the
+        # others. The queue reads scrapes when it places a request, so requests keep arriving.
+        tasks: list[asyncio.Task[bytes]] = []
+        for _ in range(40):
+            tasks.append(asyncio.create_task(one()))
+            await asyncio.sleep(0.05)
+            if sequence_limit(gw, "blind") == 3.0:  # 2 running + 1
+                break
+        assert sequence_limit(gw, "blind") == 3.0
+        outs = await asyncio.gather(*tasks)
+    assert all(o.rstrip().endswith(b"data: [DONE]") for o in outs)
+    assert blind.state.accepted + known.state.accepted == len(tasks) < 40
+    assert sequence_limit(gw, "known") == 1.0
     assert await eventually(lambda: drained(gw))

@@ -336,3 +336,21 @@ def test_backends_priced_alike_are_never_too_slow_for_each_other() -> None:
         assert ticket is not None, k
         names.append(ticket.backend_name)
     assert set(names) == {"a", "b", "c"}
+
+
+def test_sequence_limit_reports_the_configured_limit_else_the_learned_one_else_nan() -> None:
+    """``Placer.sequence_limit`` (``hetroute_queue_sequence_limit``): what the fullness test holds a
+    backend to, as the queue last read it."""
+    configured = make(max_num_seqs=8)[1]
+    assert configured.sequence_limit(0) == 8.0
+    router, placer, scrapes = make()
+    tickets = place_all(placer, 4)
+    assert np.isnan(placer.sequence_limit(0))  # nothing configured, nothing learned yet
+    see(router, placer, scrapes, 3.0, 1.0)
+    assert np.isnan(placer.sequence_limit(0))  # one scrape with a queue teaches nothing
+    see(router, placer, scrapes, 3.0, 1.0)
+    assert placer.sequence_limit(0) == 4.0  # two in a row: the limit used is R + 1
+    assert np.isnan(placer.sequence_limit(1))  # no such slot
+    for t in tickets:
+        router.release(t)
+    assert router.ledger.is_zero()
