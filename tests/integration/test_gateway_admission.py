@@ -36,6 +36,13 @@ def drained(gw: Gateway) -> bool:
     return gw.ledger.is_zero() and queue_len(gw) == 0
 
 
+async def streamed(s: aiohttp.ClientSession, gw: Gateway, body: dict[str, Any]) -> bytes:
+    """One streamed completion through the gateway; it must be answered 200."""
+    async with s.post(gw.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        return await resp.read()
+
+
 async def test_second_request_waits_then_runs_on_the_freed_backend(
     emulate: EmulateFn, gateway: GatewayFn
 ) -> None:
@@ -43,15 +50,9 @@ async def test_second_request_waits_then_runs_on_the_freed_backend(
     gw = await gateway([one_seq(emu)], admission=ONE)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 300, "stream": True}  # ~0.4 s each
     async with aiohttp.ClientSession() as s:
-
-        async def one() -> bytes:
-            async with s.post(gw.url + "/v1/completions", json=body) as resp:
-                assert resp.status == 200
-                return await resp.read()
-
-        first = asyncio.create_task(one())
+        first = asyncio.create_task(streamed(s, gw, body))
         assert await eventually(lambda: gw.ledger.in_flight() == 1)
-        second = asyncio.create_task(one())
+        second = asyncio.create_task(streamed(s, gw, body))
         assert await eventually(lambda: queue_len(gw) == 1)
         assert gw.ledger.in_flight() == 1  # the queued one is not in the ledger
         outs = await asyncio.gather(first, second)
@@ -229,17 +230,11 @@ async def test_the_queue_exports_each_backends_sequence_limit_and_learns_an_unkn
     assert math.isnan(sequence_limit(gw, "blind"))
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 400, "stream": True}  # ~1 s each
     async with aiohttp.ClientSession() as s:
-
-        async def one() -> bytes:
-            async with s.post(gw.url + "/v1/completions", json=body) as resp:
-                assert resp.status == 200
-                return await resp.read()
-
         # "known" holds one at a time; the rest go to "blind", whose engine runs 2 and queues the
         # others. The queue reads scrapes when it places a request, so requests keep arriving.
         tasks: list[asyncio.Task[bytes]] = []
         for _ in range(40):
-            tasks.append(asyncio.create_task(one()))
+            tasks.append(asyncio.create_task(streamed(s, gw, body)))
             await asyncio.sleep(0.05)
             if sequence_limit(gw, "blind") == 3.0:  # 2 running + 1
                 break
