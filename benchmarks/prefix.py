@@ -411,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--queue",
         action="store_true",
-        help="sim: every policy behind the router's admission queue (one class, unbounded: it holds a "
+        help="every policy behind the router's admission queue (one class, unbounded: it holds a "
         "request only while every backend is full and sheds none); capacities are still measured without",
     )
     p.add_argument(
@@ -467,8 +467,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if v is not None
     ]
-    if args.queue and args.part != "sim":
-        p.error("--queue: the simulator part only")
     if run_only and args.render:
         p.error(f"{', '.join(run_only)}: not with --render")
     for option, path in (("--rates-from", args.rates_from), ("--with-rows", args.with_rows)):
@@ -495,6 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         rows = gateway_part(args, save)
         title = "Prefix-aware routing through the gateway" + (" (nothing known)" if args.blind else "")
+        title += " behind the admission queue" if args.queue else ""
     save(rows, complete=True)
     text = markdown(summarise(rows), title)
     Path(f"{stem}.md").write_text(text, encoding="utf-8")

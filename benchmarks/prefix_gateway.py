@@ -70,8 +70,26 @@ async def _send(
     return (first - sent) * k, (time.monotonic() - start) * k
 
 
+def queue_waits(text: str) -> float:
+    """Requests the gateway's admission queue held (waited more than 0 s), from its ``/metrics``
+    ``text``: the count of ``hetroute_queue_wait_seconds`` less its ``le="0.0"`` bucket."""
+    total = _metric(text, "hetroute_queue_wait_seconds_count")
+    at_once = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("hetroute_queue_wait_seconds_bucket{") and 'le="0.0"' in line
+    )
+    return total - at_once
+
+
 async def one_run(
-    fleet: Any, workload: list[Any], policy: str, params: dict[str, object], k: float, blind: bool = False
+    fleet: Any,
+    workload: list[Any],
+    policy: str,
+    params: dict[str, object],
+    k: float,
+    blind: bool = False,
+    queue: bool = False,
 ) -> dict[str, Any]:
     import aiohttp
     import yaml
@@ -114,6 +132,10 @@ async def one_run(
             "learning": {"refit_interval_s": 1.0 / k, "half_life_s": 30.0 / k},
             "backends": entries,
         }
+        if queue:  # one unbounded class, as the simulator's --queue (prefix.queue_of)
+            config["admission"] = {
+                "classes": [{"name": "default", "max_queue_len": 10**6, "max_queue_wait_s": 1e6}]
+            }
         cfg = tmp / "router.yaml"
         cfg.write_text(yaml.safe_dump(config), encoding="utf-8")
         procs.append(
@@ -163,6 +185,7 @@ async def one_run(
         "router_index_mib": _metric(gw_text, "hetroute_prefix_index_bytes") / 2**20,
         "completed": int(done.sum()),
         "requests": len(workload),
+        **({"queue_waits": queue_waits(gw_text)} if queue else {}),
     }
 
 
@@ -203,8 +226,10 @@ def gateway_part(
             for policy in args.policies:
                 name, params = POLICIES[policy]
                 started = time.perf_counter()
-                row = asyncio.run(one_run(fleet, wl, name, dict(params), args.speedup, args.blind))
+                run = one_run(fleet, wl, name, dict(params), args.speedup, args.blind, args.queue)
+                row = asyncio.run(run)
                 row.update(policy=policy, fleet=fleet_name, workload=kind, load=load, rate=rate, seed=seed)
+                row.update(queue=args.queue)
                 rows.append(row)
                 on_row(rows)
                 print(
@@ -213,7 +238,8 @@ def gateway_part(
                     f"p99 {row['ttft_p99_s']:7.3f}  hit {row['engine_hit_rate']:.3f} "
                     f"(router {row['router_hit_estimate']:.3f}, {row['router_index_mib']:.1f} MiB) "
                     f"done {row['completed']}/{row['requests']} "
-                    f"[{time.perf_counter() - started:.0f}s]",
+                    + (f"queued {row['queue_waits']:.0f} " if args.queue else "")
+                    + f"[{time.perf_counter() - started:.0f}s]",
                     flush=True,
                 )
     return rows
