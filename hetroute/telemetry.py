@@ -193,11 +193,12 @@ class Telemetry:
 
     def bind_queue_limits(self, sequence_limit: Callable[[int], float]) -> None:
         """Export ``hetroute_queue_sequence_limit`` per backend, computed on scrape: the sequence limit
-        the admission queue's fullness test holds the backend to (its ``max_num_seqs`` where known,
-        else learned from the engine's scrapes; NaN while neither; docs/admission.md)."""
+        of the admission queue's fullness test (its ``max_num_seqs`` where known, else learned from the
+        engine's scrapes; NaN while neither; before ``seqs_high_water_frac`` and a class's
+        ``fill_frac``; docs/admission.md)."""
         gauge = Gauge(
             "hetroute_queue_sequence_limit",
-            "Admission queue: sequences a backend is held to (max_num_seqs, else learned from scrapes).",
+            "Admission queue: a backend's sequence limit (max_num_seqs, else learned from scrapes).",
             ["backend"],
             registry=self.registry,
         )

@@ -196,8 +196,9 @@ class Placer:
         self.arrivals = ArrivalRate(config.arrival_window_s)
 
     def sequence_limit(self, i: int) -> float:
-        """The sequence limit the fullness test holds backend slot ``i`` to: its ``max_num_seqs``
-        (configuration, profile or prior) where known, else the one learned from its engine's scrapes
+        """The sequence limit of backend slot ``i`` in the fullness test (which scales it by
+        ``seqs_high_water_frac`` and the class's ``fill_frac``): its ``max_num_seqs`` (configuration,
+        profile or prior) where known, else the one learned from its engine's scrapes
         (:class:`ObservedSeqs`), NaN while there is none (``hetroute_queue_sequence_limit``)."""
         static = self.models.max_num_seqs
         if i < static.size and math.isfinite(float(static[i])):
