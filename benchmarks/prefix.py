@@ -120,16 +120,22 @@ def mean_tokens(workload: Sequence[Any]) -> float:
     return float(np.mean([r.input_tokens + r.output_tokens for r in workload]))
 
 
+UNBOUNDED_QUEUE: dict[str, Any] = {
+    "classes": [{"name": "default", "max_queue_len": 10**6, "max_queue_wait_s": 1e6}]
+}
+"""``--queue``'s ``admission:`` section, in the simulator and the gateway alike: one class, unbounded in
+length and wait, so the queue holds a request only while every backend is full and sheds none."""
+
+
 def queue_of(on: bool) -> Any:
-    """``--queue``: the router's admission queue with one class, unbounded in length and wait, so it
-    holds a request only while every backend is full and sheds none (docs/admission.md); else None."""
+    """``--queue``: the simulator's admission queue of :data:`UNBOUNDED_QUEUE` (docs/admission.md);
+    else None."""
     if not on:
         return None
     from hetroute.admission.config import parse_admission
     from hetroute.simulation.admission_run import SimAdmission
 
-    unbounded = {"name": "default", "max_queue_len": 10**6, "max_queue_wait_s": 1e6}
-    return SimAdmission(parse_admission({"classes": [unbounded]}))
+    return SimAdmission(parse_admission(UNBOUNDED_QUEUE))
 
 
 def sim_run(

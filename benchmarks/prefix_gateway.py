@@ -132,10 +132,10 @@ async def one_run(
             "learning": {"refit_interval_s": 1.0 / k, "half_life_s": 30.0 / k},
             "backends": entries,
         }
-        if queue:  # one unbounded class, as the simulator's --queue (prefix.queue_of)
-            config["admission"] = {
-                "classes": [{"name": "default", "max_queue_len": 10**6, "max_queue_wait_s": 1e6}]
-            }
+        if queue:
+            from prefix import UNBOUNDED_QUEUE
+
+            config["admission"] = UNBOUNDED_QUEUE
         cfg = tmp / "router.yaml"
         cfg.write_text(yaml.safe_dump(config), encoding="utf-8")
         procs.append(

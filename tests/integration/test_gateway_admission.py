@@ -205,13 +205,7 @@ async def test_a_backend_added_while_requests_wait_takes_them_at_once(
 
 
 def sequence_limit(gw: Gateway, backend: str) -> float:
-    from hetroute.app import TELEMETRY
-
-    for family in gw.app[TELEMETRY].registry.collect():
-        for sample in family.samples:
-            if sample.name == "hetroute_queue_sequence_limit" and sample.labels["backend"] == backend:
-                return float(sample.value)
-    raise AssertionError(f"no hetroute_queue_sequence_limit for {backend}")
+    return metric_sum(gw, "hetroute_queue_sequence_limit", backend=backend)
 
 
 async def test_the_queue_exports_each_backends_sequence_limit_and_learns_an_unknown_one(
